@@ -1,0 +1,26 @@
+# The README's commands. Each creates .venv when missing and installs what it needs first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+.PHONY: test lint clean
+
+test: $(INSTALLED)
+	$(BIN)/python -m pytest
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check semif_serve tests
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: the CPU wheel on this machine's disk. A bare `torch` requirement with no
+# torch installed would pull a multi-GB CUDA build.
+$(INSTALLED): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks

@@ -1,0 +1,85 @@
+"""The `semif-serve` command: `score` scores a JSONL file of rows (`serve` comes with the HTTP app).
+
+Exit status: 0 done; 2 a bad row (named by line), a missing file or an unloadable model, with a
+one-line message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import semif_serve  # noqa: F401  (forces the hub offline before torch or transformers load)
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="semif-serve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    score = commands.add_parser("score", help="score a JSONL file of SemIf rows")
+    score.add_argument("rows", type=Path, help="JSONL file, one {id, state, question, options} per line")
+    score.add_argument("--shared", action="store_true", help="group rows by exact state; one shared call per group")
+    score.add_argument("--model", default="builtin:smollm2-135m", help="builtin:NAME, a local folder, or a hub id (default: %(default)s)")
+    score.add_argument("--revision", help="40-hex commit for a hub id; free text for a local folder")
+    score.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    score.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    score.add_argument("--max-tokens", type=_positive_int, default=4096, help="longer prompts are rejected, never truncated (default: %(default)s)")
+    score.add_argument("--out", type=Path, help="write results here instead of stdout")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "score":
+        return run_score(args)
+    return EXIT_USAGE  # pragma: no cover  (argparse rejects unknown commands)
+
+
+def run_score(args: argparse.Namespace) -> int:
+    from semif_serve.batch import BatchInputError, output_file, read_rows, score_file
+    from semif_serve.builtin import BuiltinModelError
+    from semif_serve.loading import ModelLoadError, load_model
+    from semif_serve.scoring import score, score_shared
+
+    try:
+        rows = read_rows(args.rows)
+        model = load_model(args.model, args.revision, dtype=args.dtype, device=args.device)
+        with output_file(args.out) as out:
+            score_file(
+                args.rows,
+                out,
+                rows=rows,
+                score_one=partial(score, model, max_tokens=args.max_tokens),
+                score_group=partial(score_shared, model, max_tokens=args.max_tokens)
+                if args.shared
+                else None,
+            )
+    except (BatchInputError, ModelLoadError, BuiltinModelError) as error:
+        print(f"semif-serve: error: {one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def entry_point() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()

