@@ -7,6 +7,7 @@ INSTALLED := $(VENV)/.installed
 .PHONY: test lint clean
 
 test: $(INSTALLED)
+	$(BIN)/ruff check semif_serve tests
 	$(BIN)/python -m pytest
 
 lint: $(INSTALLED)

@@ -83,19 +83,22 @@ def score_file(
     score_one: Callable[[Row], dict],
     score_group: Callable[[list[Row]], tuple[list[dict], dict]] | None,
     rows: list[NumberedRow],
-    progress: IO[str] = sys.stderr,
+    progress: IO[str] | None = None,
 ) -> None:
     """Write one result per row to `out` in input order; `score_group` set means shared mode."""
     from tqdm import tqdm
 
     bar = tqdm(
-        total=len(rows), unit="row", file=progress, disable=len(rows) < PROGRESS_MIN_ROWS
+        total=len(rows),
+        unit="row",
+        file=progress or sys.stderr,
+        disable=len(rows) < PROGRESS_MIN_ROWS,
     )
     writer = _OrderedWriter(out)
     with bar:
         if score_group is None:
             for index, numbered in enumerate(rows):
-                writer.put(index, _scored(path, numbered, lambda: score_one(numbered.row)))
+                writer.put(index, _scored(path, numbered, score_one))
                 bar.update(1)
             return
         for indices in group_by_state(rows, path):
@@ -106,9 +109,9 @@ def score_file(
             bar.update(len(indices))
 
 
-def _scored(path: Path, numbered: NumberedRow, call: Callable[[], dict]) -> dict:
+def _scored(path: Path, numbered: NumberedRow, score_one: Callable[[Row], dict]) -> dict:
     try:
-        return call()
+        return score_one(numbered.row)
     except ValueError as error:
         raise BatchInputError(f"{path}:{numbered.line}: {error}") from None
 

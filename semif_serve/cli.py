@@ -20,13 +20,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semif-serve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     score = commands.add_parser("score", help="score a JSONL file of SemIf rows")
-    score.add_argument("rows", type=Path, help="JSONL file, one {id, state, question, options} per line")
-    score.add_argument("--shared", action="store_true", help="group rows by exact state; one shared call per group")
-    score.add_argument("--model", default="builtin:smollm2-135m", help="builtin:NAME, a local folder, or a hub id (default: %(default)s)")
-    score.add_argument("--revision", help="40-hex commit for a hub id; free text for a local folder")
+    score.add_argument(
+        "rows", type=Path, help="JSONL file, one {id, state, question, options} per line"
+    )
+    score.add_argument(
+        "--shared", action="store_true", help="group rows by exact state; one shared call per group"
+    )
+    score.add_argument(
+        "--model",
+        default="builtin:smollm2-135m",
+        help="builtin:NAME, a local folder, or a hub id (default: %(default)s)",
+    )
+    score.add_argument(
+        "--revision", help="40-hex commit for a hub id; free text for a local folder"
+    )
     score.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     score.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    score.add_argument("--max-tokens", type=_positive_int, default=4096, help="longer prompts are rejected, never truncated (default: %(default)s)")
+    score.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=4096,
+        help="longer prompts are rejected, never truncated (default: %(default)s)",
+    )
     score.add_argument("--out", type=Path, help="write results here instead of stdout")
     return parser
 

@@ -25,6 +25,7 @@ from semif_serve.scoring.model import ModelInfo, ScoringModel
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PINNED_REVISION = re.compile(r"[0-9a-f]{40}")
 LOCAL_REVISION = "local"
+PATH_STARTS = ("/", "./", "../", "~")  # a hub id is "org/name"; these can only be folders
 
 
 class ModelLoadError(Exception):
@@ -51,6 +52,8 @@ def load_model(
     if source.startswith(builtin.PREFIX):
         folder, revision = builtin.snapshot(source, cache_dir=cache_dir)
         kwargs: dict = {}
+    elif source.startswith(PATH_STARTS) and not Path(source).expanduser().is_dir():
+        raise ModelLoadError(f"model folder {source!r} does not exist")
     elif Path(source).expanduser().is_dir():
         folder = Path(source).expanduser()
         revision = revision or LOCAL_REVISION

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import semif_serve  # noqa: F401  (offline before torch/transformers load)
-
 import pytest
+from tiny_models import qwen35_tokenizer, tiny_qwen35
 
+import semif_serve  # noqa: F401  (offline before torch/transformers load)
 from semif_serve.loading import load_model
 from semif_serve.scoring import ModelInfo, ScoringModel
-from tiny_models import qwen35_tokenizer, tiny_qwen35
 
 
 @pytest.fixture(scope="session")

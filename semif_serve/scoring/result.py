@@ -13,7 +13,7 @@ PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confide
 
 
 def letter_probabilities(letter_logits: torch.Tensor) -> torch.Tensor:
-    """Softmax over the option letters' float32 logits only (the rest of the vocabulary is ignored)."""
+    """Softmax over the option letters' float32 logits only (no other token counts)."""
     return torch.softmax(letter_logits.float(), dim=-1)
 
 

@@ -47,7 +47,7 @@ class Row:
 
     @property
     def state_key(self) -> str:
-        """The state exactly as the prompt will show it: rows share a prefix iff their keys match."""
+        """The state as the prompt shows it: rows share a prefix iff their keys are equal."""
         return state_json(self.state)
 
 
@@ -134,7 +134,9 @@ def _options(options: Any) -> tuple[Option, ...]:
     for index, item in enumerate(options):
         field = f"options[{index}]"
         if not isinstance(item, dict):
-            raise InvalidRow(f"{field}: must be an object {{id, description}}, got {_type_name(item)}")
+            raise InvalidRow(
+                f"{field}: must be an object {{id, description}}, got {_type_name(item)}"
+            )
         unknown = sorted(set(item) - OPTION_KEYS)
         if unknown:
             raise InvalidRow(f"{field}: unknown keys {unknown}; an option is {{id, description}}")

