@@ -192,5 +192,7 @@ def test_prompts_sharing_no_leading_token_are_refused():
 
     prompts = [EncodedPrompt("a", [1, 2, 3], [9]), EncodedPrompt("b", [4, 2, 3], [9])]
     assert shared_prefix([1, 2], [prompts[0]]) == [1, 2]
-    with pytest.raises(PromptRejected, match="shared prefix guard: the prompts share no leading tokens"):
+    with pytest.raises(
+        PromptRejected, match="shared prefix guard: the prompts share no leading tokens"
+    ):
         shared_prefix([1, 2], prompts)
