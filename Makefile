@@ -4,7 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: test lint clean
+.PHONY: serve test lint clean
+
+# The built-in SmolLM2-135M on the CPU at 127.0.0.1:8471. Without SEMIF_API_TOKEN a random token
+# is kept in .semif-token (mode 0600) and printed with a curl example.
+serve: $(INSTALLED)
+	SEMIF_MODEL=$${SEMIF_MODEL:-builtin:smollm2-135m} SEMIF_DEVICE=$${SEMIF_DEVICE:-cpu} \
+		$(BIN)/semif-serve serve --token-file .semif-token
 
 test: $(INSTALLED)
 	$(BIN)/ruff check semif_serve tests

@@ -1,4 +1,4 @@
-"""The `semif-serve` command: `score` scores a JSONL file of rows (`serve` comes with the HTTP app).
+"""The `semif-serve` command: `serve` runs the HTTP service, `score` scores a JSONL file of rows.
 
 Exit status: 0 done; 2 a bad row (named by line), a missing file or an unloadable model, with a
 one-line message on stderr.
@@ -19,6 +19,13 @@ EXIT_USAGE = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semif-serve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the HTTP service (configured by SEMIF_* variables)")
+    serve.add_argument(
+        "--token-file",
+        type=Path,
+        help="when SEMIF_API_TOKEN is unset, read the token from this file, creating it "
+        "(mode 0600, random) if missing, and print a ready-to-paste curl example",
+    )
     score = commands.add_parser("score", help="score a JSONL file of SemIf rows")
     score.add_argument(
         "rows", type=Path, help="JSONL file, one {id, state, question, options} per line"
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "score":
         return run_score(args)
+    if args.command == "serve":
+        return run_serve(args)
     return EXIT_USAGE  # pragma: no cover  (argparse rejects unknown commands)
 
 
@@ -85,6 +94,28 @@ def run_score(args: argparse.Namespace) -> int:
     except (BatchInputError, ModelLoadError, BuiltinModelError) as error:
         print(f"semif-serve: error: {one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from semif_serve.config import ConfigError, Settings
+    from semif_serve.devtoken import curl_example, ensure_token_file
+
+    environ = dict(os.environ)
+    if args.token_file is not None and not environ.get("SEMIF_API_TOKEN"):
+        environ["SEMIF_API_TOKEN"] = ensure_token_file(args.token_file)
+        os.environ["SEMIF_API_TOKEN"] = environ["SEMIF_API_TOKEN"]
+        print(curl_example(environ.get("SEMIF_BIND", "127.0.0.1:8471"), args.token_file), flush=True)
+    try:
+        settings = Settings.from_env(environ)
+    except ConfigError as error:
+        print(f"semif-serve: error: {one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
+    from semif_serve.server import run
+
+    run(settings)
     return 0
 
 

@@ -1,0 +1,163 @@
+"""`Settings`: every SEMIF_* variable, parsed and validated once at startup, then frozen.
+
+A bad value raises `ConfigError` (a ValueError) naming the variable, and the server does not
+start (contract "Configuration (env)", bug hunt C1, S1, S2, S8). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
+DEFAULT_REVISION = "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a"
+DEFAULT_BIND = "127.0.0.1:8471"
+MIN_TOKEN_LENGTH = 32
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A SEMIF_* variable is missing or invalid; the message starts with its name."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    api_token: str = field(repr=False)
+    model: str = DEFAULT_MODEL
+    revision: str = DEFAULT_REVISION
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    vram_cap_gib: float | None = None
+    max_tokens: int = 4096
+    max_decisions: int = 64
+    max_body_bytes: int = 1 << 20
+    max_queue: int = 32
+    calibration: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    bind: str = DEFAULT_BIND
+    graceful_timeout_s: int = 60
+    cache_dir: Path | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        device = env.get("SEMIF_DEVICE", "cuda")
+        if not DEVICE_PATTERN.fullmatch(device):
+            raise ConfigError(f"SEMIF_DEVICE: must be cuda, cuda:N or cpu, got {device!r}")
+        default_dtype = "float32" if device == "cpu" else "bfloat16"
+        dtype = env.get("SEMIF_DTYPE", default_dtype)
+        if dtype not in DTYPES:
+            raise ConfigError(f"SEMIF_DTYPE: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return cls(
+            api_token=parse_token(env.get("SEMIF_API_TOKEN")),
+            model=_nonempty(env, "SEMIF_MODEL", DEFAULT_MODEL),
+            revision=_nonempty(env, "SEMIF_REVISION", DEFAULT_REVISION),
+            device=device,
+            dtype=dtype,
+            vram_cap_gib=parse_vram_cap(env.get("SEMIF_VRAM_CAP_GIB")),
+            max_tokens=parse_limit(env, "SEMIF_MAX_TOKENS", 4096),
+            max_decisions=parse_limit(env, "SEMIF_MAX_DECISIONS", 64),
+            max_body_bytes=parse_limit(env, "SEMIF_MAX_BODY_BYTES", 1 << 20),
+            max_queue=parse_limit(env, "SEMIF_MAX_QUEUE", 32),
+            calibration=load_calibration(env.get("SEMIF_CALIBRATION")),
+            bind=parse_bind(env.get("SEMIF_BIND", DEFAULT_BIND)),
+            graceful_timeout_s=parse_limit(env, "SEMIF_GRACEFUL_TIMEOUT_S", 60),
+            cache_dir=Path(env["SEMIF_CACHE_DIR"]) if env.get("SEMIF_CACHE_DIR") else None,
+        )
+
+
+def parse_token(token: str | None) -> str:
+    """At least 32 characters, each visible ASCII (33-126): a CR, LF or NUL can never arrive."""
+    if token is None or token == "":
+        raise ConfigError("SEMIF_API_TOKEN: required (at least 32 visible ASCII characters)")
+    if any(not 33 <= ord(char) <= 126 for char in token):
+        raise ConfigError("SEMIF_API_TOKEN: only visible ASCII characters (33-126) are allowed")
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"SEMIF_API_TOKEN: must be at least {MIN_TOKEN_LENGTH} characters, got {len(token)}"
+        )
+    return token
+
+
+def parse_limit(env: Mapping[str, str], name: str, default: int) -> int:
+    """An integer >= 1 written in ASCII digits (int() would also take ' 5', '٥' or '1_0')."""
+    text = env.get(name)
+    if text is None:
+        return default
+    if not re.fullmatch(r"[0-9]+", text):
+        raise ConfigError(f"{name}: must be an integer >= 1, got {text!r}")
+    value = int(text)
+    if value < 1:
+        raise ConfigError(f"{name}: must be an integer >= 1, got {text!r}")
+    return value
+
+
+def parse_vram_cap(text: str | None) -> float | None:
+    """Unset means uncapped; a set value is a finite number of GiB > 0 (0 is not 'uncapped')."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"SEMIF_VRAM_CAP_GIB: must be a number of GiB, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"SEMIF_VRAM_CAP_GIB: must be finite and > 0, got {text!r}")
+    return value
+
+
+def parse_bind(text: str) -> str:
+    host, separator, port = text.rpartition(":")
+    if not separator or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
+        raise ConfigError(f"SEMIF_BIND: must be HOST:PORT, got {text!r}")
+    return text
+
+
+def load_calibration(path: str | None) -> Mapping[str, float]:
+    """`{workload: T}` from a JSON file; each T a finite number (not a bool) in [0.05, 20]."""
+    if path is None:
+        return MappingProxyType({})
+    name = "SEMIF_CALIBRATION"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: file {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{name}: cannot read {path!r}: {error}") from None
+    try:
+        table = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as error:
+        raise ConfigError(f"{name}: {path!r} is not valid JSON: {error}") from None
+    if not isinstance(table, dict):
+        raise ConfigError(f"{name}: {path!r} must hold a JSON object {{workload: temperature}}")
+    for workload, temperature in table.items():
+        if not workload.strip():
+            raise ConfigError(f"{name}: workload names must be nonempty")
+        valid_number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+        if not valid_number or not math.isfinite(temperature):
+            raise ConfigError(
+                f"{name}: temperature of {workload!r} must be a finite number, got {temperature!r}"
+            )
+        if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+            raise ConfigError(
+                f"{name}: temperature of {workload!r} must be in "
+                f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {temperature!r}"
+            )
+    return MappingProxyType({workload: float(t) for workload, t in table.items()})
+
+
+def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, default)
+    if not value.strip():
+        raise ConfigError(f"{name}: must not be empty")
+    return value
+
+
+def _reject_constant(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON number")

@@ -1,0 +1,36 @@
+"""The exceptions that carry meaning across layers; the HTTP layer maps each to a status once.
+
+Imports nothing, so every layer (runtime, engine, http) can raise and catch them.
+"""
+
+
+class ServeError(Exception):
+    """Base class: the message is safe to show to the caller."""
+
+
+class InvalidRequest(ServeError, ValueError):
+    """The request cannot be scored as sent (shape, limits, a scorer ValueError) → 422."""
+
+
+class BadRequest(ServeError):
+    """The HTTP framing is malformed (a Content-Length that is not ASCII digits) → 400."""
+
+
+class Unauthorized(ServeError):
+    """Missing or wrong bearer token → 401."""
+
+
+class RequestTooLarge(ServeError):
+    """The body is over SEMIF_MAX_BODY_BYTES → 413."""
+
+
+class ServerBusy(ServeError):
+    """SEMIF_MAX_QUEUE requests are already in progress → 429."""
+
+
+class OutOfMemory(ServeError):
+    """The accelerator ran out of memory during scoring; the process stays up → 503."""
+
+
+class ScoringFailed(ServeError):
+    """The scorer failed for another reason, or the response could not be built → 500."""

@@ -1,0 +1,27 @@
+"""`create_app`: the Falcon WSGI app over a `DecisionService`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import falcon
+
+from semif_serve.http.errors import handle_error
+from semif_serve.http.middleware import Admission, BearerAuth, RequestLog
+from semif_serve.http.resources import Decide, DecideShared, Health
+from semif_serve.runtime.admission import InFlightLimit
+from semif_serve.runtime.service import DecisionService
+
+
+def create_app(
+    service: DecisionService, settings: Any, in_flight: InFlightLimit | None = None
+) -> falcon.App:
+    """The app; `in_flight` defaults to a fresh SEMIF_MAX_QUEUE limit (tests pass their own)."""
+    admission = Admission(in_flight or InFlightLimit(settings.max_queue))
+    app = falcon.App(middleware=[RequestLog(), BearerAuth(settings.api_token), admission])
+    app.add_route("/health", Health(service))
+    app.add_route("/decide", Decide(service, settings.max_body_bytes))
+    app.add_route("/decide/shared", DecideShared(service, settings.max_body_bytes))
+    app.add_error_handler(Exception, handle_error)
+    app.add_error_handler(falcon.HTTPError, handle_error)
+    return app

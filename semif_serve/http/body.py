@@ -1,0 +1,74 @@
+"""Read a request body as one JSON object, never holding more than the limit (C2, S3).
+
+The declared Content-Length is trusted only when it is plain ASCII digits: Python's int() also
+accepts Unicode digits ('١٠'), signs, spaces and underscores. A declared length over the limit
+is refused before any byte is read; otherwise the body is read in chunks and the limit is checked
+before each chunk is kept, so a chunked upload that never ends costs at most `limit` bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import IO, Any
+
+from semif_serve.errors import BadRequest, InvalidRequest, RequestTooLarge
+
+CHUNK_BYTES = 64 * 1024
+ASCII_DIGITS = re.compile(r"[0-9]+")
+
+
+def declared_length(environ: dict[str, Any]) -> int | None:
+    """The Content-Length as an int, None when absent; BadRequest unless it is ASCII digits."""
+    text = environ.get("CONTENT_LENGTH")
+    if text is None or text == "":
+        return None
+    if not ASCII_DIGITS.fullmatch(text):
+        raise BadRequest(f"Content-Length must be ASCII digits, got {text!r}")
+    return int(text)
+
+
+def read_body(environ: dict[str, Any], limit: int) -> bytes:
+    declared = declared_length(environ)
+    if declared is not None and declared > limit:
+        raise RequestTooLarge(f"the body declares {declared} bytes, over the limit of {limit}")
+    stream: IO[bytes] = environ["wsgi.input"]
+    remaining = declared  # None: read to the end (a chunked upload)
+    kept: list[bytes] = []
+    size = 0
+    while remaining is None or remaining > 0:
+        # Never ask for more than one byte past the limit: a blocking read(n) waits for n bytes.
+        want = min(CHUNK_BYTES, limit - size + 1)
+        if remaining is not None:
+            want = min(want, remaining)
+        chunk = stream.read(want)
+        if not chunk:
+            break
+        if size + len(chunk) > limit:
+            raise RequestTooLarge(f"the body is over the limit of {limit} bytes")
+        kept.append(chunk)
+        size += len(chunk)
+        if remaining is not None:
+            remaining -= len(chunk)
+    return b"".join(kept)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; anything else (not UTF-8, not JSON, NaN, an array) is a 422."""
+    try:
+        value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise InvalidRequest("body: must be UTF-8 encoded JSON") from None
+    except ValueError as error:
+        raise InvalidRequest(f"body: not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"body: must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_json_object(environ: dict[str, Any], limit: int) -> dict[str, Any]:
+    return parse_json_object(read_body(environ, limit))
+
+
+def _reject_constant(constant: str) -> None:
+    raise ValueError(f"{constant} is not valid JSON")

@@ -1,0 +1,77 @@
+"""Cross-cutting request work: request ids and the JSON access log, bearer auth, admission."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import uuid
+from time import perf_counter
+
+import falcon
+
+from semif_serve.errors import Unauthorized
+from semif_serve.runtime.admission import InFlightLimit
+
+access_log = logging.getLogger("semif_serve.access")
+CALLER_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII, bounded: safe to echo and log
+PUBLIC_ROUTES = {("GET", "/health")}
+
+
+class RequestLog:
+    """Gives every request an id (the caller's X-Request-Id when sane) and logs one JSON line."""
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        given = req.get_header("X-Request-Id")
+        req.context.request_id = (
+            given if given and CALLER_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        )
+        req.context.started = perf_counter()
+
+    def process_response(self, req, resp, resource, req_succeeded) -> None:
+        resp.set_header("X-Request-Id", req.context.request_id)
+        record = {
+            "request_id": req.context.request_id,
+            "method": req.method,
+            "route": req.uri_template or req.path,
+            "status": resp.status_code,
+            "decisions": req.context.get("rows"),
+            "duration_ms": round((perf_counter() - req.context.started) * 1000, 3),
+        }
+        if req.context.get("error_code"):
+            record["error"] = req.context.error_code
+        access_log.info(json.dumps(record))
+
+
+class BearerAuth:
+    """Every route except GET /health needs `Authorization: Bearer <token>` (INV-6)."""
+
+    def __init__(self, token: str):
+        self._token = token.encode("ascii")
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if (req.method, req.path) in PUBLIC_ROUTES:
+            return
+        scheme, _, given = (req.get_header("Authorization") or "").partition(" ")
+        # Constant-time compare; WSGI headers are latin-1 strings, so any header encodes.
+        presented = given.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self._token):
+            raise Unauthorized("missing or wrong bearer token")
+
+
+class Admission:
+    """Counts POSTs in progress; past the limit the next is refused before its body is read."""
+
+    def __init__(self, limit: InFlightLimit):
+        self.limit = limit
+
+    def process_resource(self, req, resp, resource, params) -> None:
+        if req.method == "POST" and resource is not None:
+            self.limit.acquire()
+            req.context.admitted = True
+
+    def process_response(self, req, resp, resource, req_succeeded) -> None:
+        if req.context.get("admitted"):
+            req.context.admitted = False
+            self.limit.release()

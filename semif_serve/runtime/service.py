@@ -1,0 +1,243 @@
+"""`DecisionService`: request bodies → SemIf rows → ONE engine call → response bodies.
+
+It checks the request shape and limits, expands order-averaged decisions into one row per
+ordering, sends every row of a request to the engine in a single call (one `score` for a plain
+/decide, else one `score_shared`), and builds the reply: native results untouched (INV-1), plus
+`calibrated` or `combined` next to them. A scorer ValueError becomes `InvalidRequest` (422);
+any failure while building the reply becomes `ScoringFailed` (500, bug hunt C3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from semif_serve.decisions import (
+    MAX_OPTIONS_FOR_ALL,
+    ORDERINGS,
+    averaged_result,
+    calibrated,
+    expand,
+)
+from semif_serve.engine import Engine
+from semif_serve.errors import InvalidRequest, ScoringFailed
+from semif_serve.scoring.rows import InvalidRow, Row, parse_row
+
+SEMIF_COMMIT = "23cf1f39fc9534fe81437200959b6dfc7106e45a"
+ROW_KEYS = ("id", "state", "question", "options")
+DECIDE_KEYS = frozenset({*ROW_KEYS, "workload", "orderings"})
+SHARED_KEYS = frozenset({"state", "decisions", "workload"})
+DECISION_KEYS = frozenset({"id", "question", "options", "orderings"})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    body: dict[str, Any]
+    rows: int  # rows the engine scored, for the request log
+
+
+@dataclass
+class _Decision:
+    """One decision of a request and the rows it became."""
+
+    field: str  # how error messages name it: "" for /decide, "decisions[i]." for shared
+    id: str
+    option_ids: list[str]
+    mode: str
+    rows: list[Row] = field(default_factory=list)
+
+
+class DecisionService:
+    def __init__(self, engine: Engine, settings: Any):
+        self._engine = engine
+        self._settings = settings
+
+    def health(self) -> dict[str, Any]:
+        settings = self._settings
+        return {
+            "status": "ok",
+            "semif_commit": SEMIF_COMMIT,
+            "model": self._engine.model_info(),
+            "vram_cap_gib": settings.vram_cap_gib,
+            "max_tokens": settings.max_tokens,
+            "max_decisions": settings.max_decisions,
+            "workloads": dict(settings.calibration),
+        }
+
+    def decide(self, body: dict[str, Any]) -> Outcome:
+        _check_keys(body, DECIDE_KEYS, "")
+        workload = self._workload(body)
+        decision = _decision(body, "")
+        _check_workload_without_orderings(workload, [decision])
+        if decision.mode == "none":
+            result = _scored(lambda: self._engine.score(decision.rows[0]), [decision])
+            return Outcome(_building(lambda: self._with_calibration(result, workload)), 1)
+        self._check_row_count([decision])
+        results, _timing = _scored(lambda: self._engine.score_shared(decision.rows), [decision])
+        return Outcome(_building(lambda: _assemble([decision], results)[0]), len(results))
+
+    def decide_shared(self, body: dict[str, Any]) -> Outcome:
+        _check_keys(body, SHARED_KEYS, "")
+        workload = self._workload(body)
+        if "state" not in body:
+            raise InvalidRequest("state: missing")
+        entries = body.get("decisions")
+        if not isinstance(entries, list):
+            raise InvalidRequest("decisions: must be an array of {id, question, options}")
+        if not 1 <= len(entries) <= self._settings.max_decisions:
+            raise InvalidRequest(
+                f"decisions: must hold 1..{self._settings.max_decisions} entries, got {len(entries)}"
+            )
+        decisions = []
+        for index, entry in enumerate(entries):
+            where = f"decisions[{index}]."
+            if not isinstance(entry, dict):
+                raise InvalidRequest(f"decisions[{index}]: must be an object")
+            _check_keys(entry, DECISION_KEYS, where)
+            decisions.append(_decision({**entry, "state": body["state"]}, where))
+        _check_workload_without_orderings(workload, decisions)
+        self._check_row_count(decisions)
+        _check_unique_ids(decisions)
+        rows = [row for decision in decisions for row in decision.rows]
+        results, timing = _scored(lambda: self._engine.score_shared(rows), decisions)
+
+        def reply() -> dict[str, Any]:
+            built = _assemble(decisions, results)
+            return {
+                "results": [self._with_calibration(result, workload) for result in built],
+                "timing": timing,
+            }
+
+        return Outcome(_building(reply), len(rows))
+
+    def _workload(self, body: dict[str, Any]) -> str | None:
+        workload = body.get("workload")
+        if workload is None:
+            return None
+        if not isinstance(workload, str):
+            raise InvalidRequest("workload: must be a string")
+        if workload not in self._settings.calibration:
+            known = ", ".join(sorted(self._settings.calibration)) or "none configured"
+            raise InvalidRequest(f"workload: unknown workload {workload!r} (known: {known})")
+        return workload
+
+    def _check_row_count(self, decisions: list[_Decision]) -> None:
+        rows = sum(len(decision.rows) for decision in decisions)
+        limit = self._settings.max_decisions
+        if rows > limit:
+            raise InvalidRequest(
+                f"orderings: the request expands to {rows} rows, over the limit of {limit} "
+                "decisions per request (SEMIF_MAX_DECISIONS)"
+            )
+
+    def _with_calibration(self, result: dict[str, Any], workload: str | None) -> dict[str, Any]:
+        if workload is None:
+            return result
+        temperature = self._settings.calibration[workload]
+        return {**result, "calibrated": calibrated(result, workload, temperature)}
+
+
+def _check_keys(body: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidRequest(
+            f"{where or 'body'}: unknown keys {unknown}; allowed: {', '.join(sorted(allowed))}"
+        )
+
+
+def _decision(body: dict[str, Any], where: str) -> _Decision:
+    """Validate one decision and expand it into its rows (one, or one per ordering)."""
+    mode = body.get("orderings", "none")
+    if mode not in ORDERINGS:
+        raise InvalidRequest(f"{where}orderings: must be one of {', '.join(ORDERINGS)}, got {mode!r}")
+    fields = {key: body[key] for key in ROW_KEYS if key in body}
+    try:
+        row = parse_row(fields)
+    except InvalidRow as error:
+        message = str(error)
+        # The shared state is one field of the request, not of each decision.
+        raise InvalidRequest(message if message.startswith("state") else where + message) from None
+    if mode == "all" and len(row.options) > MAX_OPTIONS_FOR_ALL:
+        raise InvalidRequest(
+            f"{where}orderings: 'all' is allowed for at most {MAX_OPTIONS_FOR_ALL} options, "
+            f"got {len(row.options)}; use 'rotations'"
+        )
+    decision = _Decision(field=where, id=row.id, option_ids=row.option_ids, mode=mode)
+    if mode == "none":
+        decision.rows = [row]
+    else:
+        decision.rows = [parse_row(expanded) for expanded in expand(fields, mode)]
+    return decision
+
+
+def _check_workload_without_orderings(workload: str | None, decisions: list[_Decision]) -> None:
+    if workload is not None and any(decision.mode != "none" for decision in decisions):
+        raise InvalidRequest(
+            "workload: cannot be combined with orderings (no temperature is fitted on combined "
+            "scores yet)"
+        )
+
+
+def _check_unique_ids(decisions: list[_Decision]) -> None:
+    owners: dict[str, str] = {}
+    for decision in decisions:
+        for row in decision.rows:
+            if row.id in owners:
+                raise InvalidRequest(
+                    f"{decision.field}id: {row.id!r} is already used by {owners[row.id]}"
+                )
+            owners[row.id] = decision.field.rstrip(".")
+
+
+def _scored(call: Callable[[], Any], decisions: list[_Decision]) -> Any:
+    """Run the engine call; a scorer ValueError is the request's fault and names its decision."""
+    try:
+        return call()
+    except ValueError as error:
+        raise InvalidRequest(_locate(error, decisions)) from None
+
+
+def _locate(error: ValueError, decisions: list[_Decision]) -> str:
+    index = getattr(error, "row_index", None)
+    message = str(error)
+    if index is None:
+        return message
+    prefix = f"rows[{index}]"
+    if message.startswith(prefix):
+        message = message[len(prefix) :].lstrip(".: ")
+    for decision in decisions:
+        if index < len(decision.rows):
+            row_id = decision.rows[index].id
+            name = decision.field.rstrip(".") or "request"
+            return f"{name} (row {row_id!r}): {message}"
+        index -= len(decision.rows)
+    return str(error)
+
+
+def _assemble(decisions: list[_Decision], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One reply entry per decision, in request order: native, or averaged over orderings."""
+    expected = sum(len(decision.rows) for decision in decisions)
+    if len(results) != expected:
+        raise ScoringFailed(f"the scorer returned {len(results)} results for {expected} rows")
+    built, position = [], 0
+    for decision in decisions:
+        own = results[position : position + len(decision.rows)]
+        position += len(decision.rows)
+        if decision.mode == "none":
+            built.append(own[0])
+        else:
+            built.append(averaged_result(decision.id, decision.option_ids, own, decision.mode))
+    return built
+
+
+def _building(build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Any failure while building the reply is a 500 in the envelope, never a bare crash (C3)."""
+    try:
+        return build()
+    except ScoringFailed:
+        raise
+    except Exception as error:
+        raise ScoringFailed(
+            f"building the response failed: {type(error).__name__}: {error}"
+        ) from None

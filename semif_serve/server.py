@@ -1,0 +1,118 @@
+"""Run the app under gunicorn: ONE worker process (it owns the model) with gthread threads.
+
+The model loads in the worker, not the master, so CUDA is never initialised before a fork, and
+a load or warm-up failure makes gunicorn stop with "Worker failed to boot" (fail closed).
+Threads: one per admitted request (SEMIF_MAX_QUEUE) plus spares, so /health and 429 replies are
+answered while admitted requests wait for the engine. gthread's heartbeat comes from the
+worker's main loop, so a long scorer call never trips gunicorn's timeout. SIGTERM stops
+accepting and lets in-flight requests finish within SEMIF_GRACEFUL_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from gunicorn import util as gunicorn_util
+from gunicorn.app.base import BaseApplication
+from gunicorn.workers.gthread import ThreadWorker
+
+from semif_serve.config import Settings
+from semif_serve.http.errors import envelope
+
+SPARE_THREADS = 4  # /health, 429 replies and management while every admitted request waits
+WORKER_HEARTBEAT_TIMEOUT_S = 120
+
+
+def gunicorn_options(settings: Settings) -> dict[str, Any]:
+    return {
+        "bind": settings.bind,
+        "workers": 1,
+        "worker_class": "semif_serve.server.EnvelopeThreadWorker",
+        "threads": settings.max_queue + SPARE_THREADS,
+        "timeout": WORKER_HEARTBEAT_TIMEOUT_S,
+        "graceful_timeout": settings.graceful_timeout_s,
+        "keepalive": 5,
+        "preload_app": False,
+        "accesslog": None,  # semif_serve.access logs one JSON line per request instead
+        "errorlog": "-",
+        "loglevel": "info",
+        "proc_name": "semif-serve",
+        "control_socket_disable": True,  # no management socket in $HOME; nothing uses it
+    }
+
+
+GUNICORN_ERROR_CODES = {
+    400: "bad_request",
+    403: "forbidden",
+    414: "uri_too_long",
+    417: "expectation_failed",
+    431: "headers_too_large",
+    501: "not_implemented",
+}
+
+
+def write_envelope_error(sock, status_int: int, reason: str, message: str) -> None:
+    """gunicorn's own error replies (a request it cannot parse) in the JSON envelope too."""
+    code = GUNICORN_ERROR_CODES.get(status_int, "internal_error")
+    body = envelope(code, message or reason).encode("utf-8")
+    head = (
+        f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    gunicorn_util.write_nonblock(sock, head.encode("latin-1") + body)
+
+
+class EnvelopeThreadWorker(ThreadWorker):
+    """gunicorn's gthread worker whose parse-error replies use the JSON envelope.
+
+    gunicorn answers a malformed request (say, a Content-Length of Unicode digits) itself,
+    before the app sees it, with an HTML page written by `gunicorn.util.write_error`. The worker
+    process serves only semif-serve, so it swaps that writer for the envelope one.
+    """
+
+    def init_process(self) -> None:
+        gunicorn_util.write_error = write_envelope_error
+        super().init_process()
+
+
+class _Gunicorn(BaseApplication):
+    def __init__(self, app_factory: Callable[[], Any], options: dict[str, Any]):
+        self._app_factory = app_factory
+        self._options = options
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self._options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        configure_logging()
+        return self._app_factory()
+
+
+def configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("semif_serve.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+    logging.getLogger("semif_serve").setLevel(logging.INFO)
+
+
+def production_app(settings: Settings) -> Any:
+    """Load the model (fail closed), then build the app. Runs in the worker process."""
+    from semif_serve.engine import load_engine
+    from semif_serve.http import create_app
+    from semif_serve.runtime.service import DecisionService
+
+    return create_app(DecisionService(load_engine(settings), settings), settings)
+
+
+def run(settings: Settings, app_factory: Callable[[], Any] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; exits non-zero when the worker fails to boot."""
+    factory = app_factory or (lambda: production_app(settings))
+    _Gunicorn(factory, gunicorn_options(settings)).run()
