@@ -19,7 +19,9 @@ EXIT_USAGE = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semif-serve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the HTTP service (configured by SEMIF_* variables)")
+    serve = commands.add_parser(
+        "serve", help="run the HTTP service (configured by SEMIF_* variables)"
+    )
     serve.add_argument(
         "--token-file",
         type=Path,
@@ -107,7 +109,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.token_file is not None and not environ.get("SEMIF_API_TOKEN"):
         environ["SEMIF_API_TOKEN"] = ensure_token_file(args.token_file)
         os.environ["SEMIF_API_TOKEN"] = environ["SEMIF_API_TOKEN"]
-        print(curl_example(environ.get("SEMIF_BIND", "127.0.0.1:8471"), args.token_file), flush=True)
+        print(
+            curl_example(environ.get("SEMIF_BIND", "127.0.0.1:8471"), args.token_file), flush=True
+        )
     try:
         settings = Settings.from_env(environ)
     except ConfigError as error:

@@ -19,7 +19,9 @@ MAX_OPTIONS_FOR_ALL = 4
 def ordering_permutations(count: int, mode: str) -> list[tuple[int, ...]]:
     """Index orders for `count` options, the caller's order first."""
     if mode == "rotations":
-        return [tuple((start + offset) % count for offset in range(count)) for start in range(count)]
+        return [
+            tuple((start + offset) % count for offset in range(count)) for start in range(count)
+        ]
     if mode == "all":
         if count > MAX_OPTIONS_FOR_ALL:
             raise ValueError(

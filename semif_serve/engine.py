@@ -75,7 +75,12 @@ class TorchScorer:
 
     def model_info(self) -> dict[str, Any]:
         info = self._model.info
-        return {"source": info.source, "revision": info.revision, "dtype": info.dtype, "device": info.device}
+        return {
+            "source": info.source,
+            "revision": info.revision,
+            "dtype": info.dtype,
+            "device": info.device,
+        }
 
     def score(self, row: Row) -> dict[str, Any]:
         from semif_serve.scoring import score

@@ -85,10 +85,9 @@ class DecisionService:
         entries = body.get("decisions")
         if not isinstance(entries, list):
             raise InvalidRequest("decisions: must be an array of {id, question, options}")
-        if not 1 <= len(entries) <= self._settings.max_decisions:
-            raise InvalidRequest(
-                f"decisions: must hold 1..{self._settings.max_decisions} entries, got {len(entries)}"
-            )
+        limit = self._settings.max_decisions
+        if not 1 <= len(entries) <= limit:
+            raise InvalidRequest(f"decisions: must hold 1..{limit} entries, got {len(entries)}")
         decisions = []
         for index, entry in enumerate(entries):
             where = f"decisions[{index}]."
@@ -150,7 +149,9 @@ def _decision(body: dict[str, Any], where: str) -> _Decision:
     """Validate one decision and expand it into its rows (one, or one per ordering)."""
     mode = body.get("orderings", "none")
     if mode not in ORDERINGS:
-        raise InvalidRequest(f"{where}orderings: must be one of {', '.join(ORDERINGS)}, got {mode!r}")
+        raise InvalidRequest(
+            f"{where}orderings: must be one of {', '.join(ORDERINGS)}, got {mode!r}"
+        )
     fields = {key: body[key] for key in ROW_KEYS if key in body}
     try:
         row = parse_row(fields)

@@ -1,0 +1,116 @@
+"""Start and stop a real semif-serve gunicorn process on 127.0.0.1 for a test, with bounds."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fakes import TOKEN
+
+START_TIMEOUT_S = 90
+STOP_TIMEOUT_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_file(path: Path, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.005)
+
+
+class LiveServer:
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "SEMIF_API_TOKEN": TOKEN,
+            "SEMIF_BIND": f"127.0.0.1:{self.port}",
+            **env,
+        }
+        self.log_path = log_path
+        self.command = command
+
+    def __enter__(self) -> LiveServer:
+        self.log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=self.log, stderr=self.log
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.process.poll() is None, f"server exited early:\n{self.log_text()}"
+            assert time.monotonic() < deadline, f"server did not start:\n{self.log_text()}"
+            try:
+                if self.request("GET", "/health", timeout=1)[0] == 200:
+                    return self
+            except OSError:
+                time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT_S)
+        self.log.close()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def connect(self, timeout: float = 10) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+
+    def request(self, method, path, body=None, headers=None, timeout=30):
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            connection.request(method, path, body=payload, headers=headers or {})
+            response = connection.getresponse()
+            return (
+                response.status,
+                json.loads(response.read() or b"null"),
+                dict(response.getheaders()),
+            )
+        finally:
+            connection.close()
+
+
+def fake_server(tmp_path: Path, gated: bool = False, **env: str) -> LiveServer:
+    control = tmp_path / "control"
+    control.mkdir(exist_ok=True)
+    script = Path(__file__).parent / "serve_fake.py"
+    extra = {"SEMIF_TEST_CONTROL": str(control), "SEMIF_TEST_GATED": "1" if gated else "0", **env}
+    return LiveServer([sys.executable, str(script)], extra, tmp_path / "server.log")
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """Read one HTTP response (Content-Length framed) from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    headers = dict(
+        line.decode("latin-1").lower().split(": ", 1) for line in head.split(b"\r\n")[1:]
+    )
+    length = int(headers["content-length"])
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return int(head.split()[1]), json.loads(body[:length])

@@ -1,0 +1,136 @@
+"""Startup validation: every bad SEMIF_* value stops startup with an error naming the variable."""
+
+import json
+
+import pytest
+
+from semif_serve.config import DEFAULT_MODEL, DEFAULT_REVISION, ConfigError, Settings
+
+TOKEN = "k" * 32
+
+
+def settings(**env):
+    return Settings.from_env({"SEMIF_API_TOKEN": TOKEN, **env})
+
+
+def test_defaults_follow_the_contract():
+    s = settings()
+    assert (s.model, s.revision, s.device, s.dtype) == (
+        DEFAULT_MODEL,
+        DEFAULT_REVISION,
+        "cuda",
+        "bfloat16",
+    )
+    assert (s.max_tokens, s.max_decisions, s.max_body_bytes, s.max_queue) == (4096, 64, 1 << 20, 32)
+    assert s.vram_cap_gib is None and dict(s.calibration) == {} and s.bind == "127.0.0.1:8471"
+    assert settings(SEMIF_DEVICE="cpu").dtype == "float32"
+    assert TOKEN not in repr(s)
+
+
+def test_settings_are_frozen():
+    s = settings()
+    with pytest.raises(AttributeError):
+        s.max_tokens = 1
+    with pytest.raises(TypeError):
+        s.calibration["x"] = 1.0
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"SEMIF_API_TOKEN": ""}, "SEMIF_API_TOKEN"),
+        ({"SEMIF_API_TOKEN": "k" * 31}, "SEMIF_API_TOKEN: must be at least 32"),
+        ({"SEMIF_API_TOKEN": "k" * 31 + " "}, "SEMIF_API_TOKEN: only visible ASCII"),
+        ({"SEMIF_API_TOKEN": "k" * 32 + "\n"}, "SEMIF_API_TOKEN: only visible ASCII"),
+        ({"SEMIF_API_TOKEN": "k" * 32 + "\r"}, "SEMIF_API_TOKEN: only visible ASCII"),
+        ({"SEMIF_API_TOKEN": "k" * 32 + "\x00"}, "SEMIF_API_TOKEN: only visible ASCII"),
+        ({"SEMIF_API_TOKEN": "k" * 32 + "é"}, "SEMIF_API_TOKEN: only visible ASCII"),
+        ({"SEMIF_VRAM_CAP_GIB": "0"}, "SEMIF_VRAM_CAP_GIB: must be finite and > 0"),
+        ({"SEMIF_VRAM_CAP_GIB": "-1"}, "SEMIF_VRAM_CAP_GIB"),
+        ({"SEMIF_VRAM_CAP_GIB": "inf"}, "SEMIF_VRAM_CAP_GIB"),
+        ({"SEMIF_VRAM_CAP_GIB": "nan"}, "SEMIF_VRAM_CAP_GIB"),
+        ({"SEMIF_VRAM_CAP_GIB": "lots"}, "SEMIF_VRAM_CAP_GIB"),
+        ({"SEMIF_DEVICE": "gpu"}, "SEMIF_DEVICE"),
+        ({"SEMIF_DTYPE": "fp8"}, "SEMIF_DTYPE"),
+        ({"SEMIF_MODEL": " "}, "SEMIF_MODEL"),
+        ({"SEMIF_BIND": "8471"}, "SEMIF_BIND"),
+        ({"SEMIF_BIND": "127.0.0.1:99999"}, "SEMIF_BIND"),
+    ],
+)
+def test_bad_values_name_their_variable(env, variable):
+    with pytest.raises(ConfigError) as caught:
+        settings(**env)
+    assert str(caught.value).startswith(variable.split(":")[0])
+    assert variable in str(caught.value)
+
+
+def test_the_token_is_required():
+    with pytest.raises(ConfigError, match="SEMIF_API_TOKEN: required"):
+        Settings.from_env({})
+
+
+@pytest.mark.parametrize(
+    "name", ["SEMIF_MAX_TOKENS", "SEMIF_MAX_DECISIONS", "SEMIF_MAX_BODY_BYTES", "SEMIF_MAX_QUEUE"]
+)
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "", " 5", "٥", "1_0", "ten"])
+def test_every_limit_is_an_integer_of_at_least_one(name, value):
+    with pytest.raises(ConfigError, match=f"^{name}: must be an integer >= 1"):
+        settings(**{name: value})
+
+
+def test_limits_and_cap_are_parsed():
+    s = settings(
+        SEMIF_MAX_TOKENS="1",
+        SEMIF_MAX_QUEUE="2",
+        SEMIF_VRAM_CAP_GIB="6.5",
+        SEMIF_BIND="0.0.0.0:9000",
+    )
+    assert (s.max_tokens, s.max_queue, s.vram_cap_gib, s.bind) == (1, 2, 6.5, "0.0.0.0:9000")
+
+
+def write(tmp_path, content):
+    path = tmp_path / "calibration.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+def test_a_calibration_file_loads(tmp_path):
+    s = settings(SEMIF_CALIBRATION=write(tmp_path, {"triage": 1.23, "edge": 20, "low": 0.05}))
+    assert dict(s.calibration) == {"triage": 1.23, "edge": 20.0, "low": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("{not json", "is not valid JSON"),
+        ('{"triage": NaN}', "is not valid JSON"),
+        ("[1.0]", "must hold a JSON object"),
+        ({"triage": "1.2"}, "must be a finite number"),
+        ({"triage": True}, "must be a finite number"),
+        ({"triage": None}, "must be a finite number"),
+        ({"triage": 1e400}, "must be a finite number"),
+        ({"triage": 0.049}, "must be in [0.05, 20.0]"),
+        ({"triage": 20.01}, "must be in [0.05, 20.0]"),
+        ({"triage": 0}, "must be in [0.05, 20.0]"),
+        ({" ": 1.0}, "workload names must be nonempty"),
+    ],
+)
+def test_a_bad_calibration_file_stops_startup(tmp_path, content, fragment):
+    if isinstance(content, dict) and content.get("triage") == 1e400:
+        content = '{"triage": 1e400}'
+    with pytest.raises(ConfigError, match="^SEMIF_CALIBRATION") as caught:
+        settings(SEMIF_CALIBRATION=write(tmp_path, content))
+    assert fragment in str(caught.value)
+
+
+def test_a_missing_calibration_file_stops_startup(tmp_path):
+    with pytest.raises(ConfigError, match="SEMIF_CALIBRATION: file .* does not exist"):
+        settings(SEMIF_CALIBRATION=str(tmp_path / "absent.json"))
+
+
+def test_the_serve_command_refuses_a_bad_value_with_exit_2(capsys, monkeypatch):
+    from semif_serve.cli import main
+
+    monkeypatch.setenv("SEMIF_API_TOKEN", "short")
+    assert main(["serve"]) == 2
+    assert "SEMIF_API_TOKEN: must be at least 32 characters" in capsys.readouterr().err

@@ -1,0 +1,401 @@
+"""The contract's HTTP tests, through falcon's TestClient with a fake scorer (no torch, no model)."""
+
+import json
+import logging
+import threading
+
+import pytest
+from fakes import AUTH, TOKEN, WAIT_S, FakeScorer, decision, fake_app, row
+from falcon import testing
+
+from semif_serve.errors import OutOfMemory
+from semif_serve.runtime.service import SEMIF_COMMIT
+
+
+def client(scorer=None, **overrides):
+    app, scorer = fake_app(scorer, **overrides)
+    return testing.TestClient(app), scorer
+
+
+def assert_error(response, status, code):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert set(response.json) == {"error"}
+    assert set(response.json["error"]) == {"code", "message"}
+    assert response.json["error"]["code"] == code
+    assert response.json["error"]["message"]
+    return response.json["error"]["message"]
+
+
+# --- auth -----------------------------------------------------------------------------------
+
+
+def test_health_needs_no_token_and_reports_the_service():
+    api, _ = client(calibration={"triage": 1.5}, vram_cap_gib=6.0)
+    response = api.simulate_get("/health")
+    assert response.status_code == 200
+    assert response.json == {
+        "status": "ok",
+        "semif_commit": SEMIF_COMMIT,
+        "model": FakeScorer().model_info(),
+        "vram_cap_gib": 6.0,
+        "max_tokens": 4096,
+        "max_decisions": 64,
+        "workloads": {"triage": 1.5},
+    }
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearer {TOKEN[:-1]}x"},
+        {"Authorization": f"Bearer {TOKEN}extra"},
+        {"Authorization": "Bearer"},
+    ],
+)
+@pytest.mark.parametrize("path", ["/decide", "/decide/shared"])
+def test_posts_need_the_bearer_token(headers, path):
+    api, scorer = client()
+    response = api.simulate_post(path, json=row(), headers=headers)
+    assert_error(response, 401, "unauthorized")
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert scorer.calls == []
+
+
+def test_the_bearer_scheme_is_case_insensitive():
+    api, _ = client()
+    response = api.simulate_post(
+        "/decide", json=row(), headers={"Authorization": f"bearer {TOKEN}"}
+    )
+    assert response.status_code == 200
+
+
+def test_unknown_routes_and_methods_get_the_envelope():
+    api, _ = client()
+    assert_error(api.simulate_get("/nope"), 401, "unauthorized")  # no route list for strangers
+    assert "GET /nope" in assert_error(api.simulate_get("/nope", headers=AUTH), 404, "not_found")
+    response = api.simulate_get("/decide", headers=AUTH)
+    assert_error(response, 405, "method_not_allowed")
+    assert "POST" in response.headers["allow"]
+
+
+# --- /decide and /decide/shared pass scores through ------------------------------------------
+
+
+def test_decide_passes_the_row_through_and_returns_the_scorer_dict_unchanged():
+    scorer = FakeScorer(base={"Yes": 2.0})
+    api, _ = client(scorer)
+    response = api.simulate_post("/decide", json=row(), headers=AUTH)
+    assert response.status_code == 200
+    [(method, scored)] = scorer.calls
+    assert method == "score"
+    assert (scored.id, scored.state, scored.question) == (
+        "r1",
+        {"door": "open"},
+        "Is the door open?",
+    )
+    assert [(o.id, o.description) for o in scored.options] == [("o0", "Yes"), ("o1", "No")]
+    assert response.json == scorer.result(scored)
+    assert "calibrated" not in response.json
+
+
+def test_decide_shared_builds_rows_with_the_shared_state_and_returns_results_and_timing():
+    scorer = FakeScorer()
+    api, _ = client(scorer)
+    body = {
+        "state": "the shared state",
+        "decisions": [decision("a"), decision("b", ("X", "Y", "Z"))],
+    }
+    response = api.simulate_post("/decide/shared", json=body, headers=AUTH)
+    assert response.status_code == 200
+    [(method, rows)] = scorer.calls
+    assert method == "score_shared"
+    assert [(r.id, r.state, len(r.options)) for r in rows] == [
+        ("a", "the shared state", 2),
+        ("b", "the shared state", 3),
+    ]
+    assert response.json == {
+        "results": [scorer.result(r) for r in rows],
+        "timing": {"batch_size": 2, "total_seconds": 0.01},
+    }
+
+
+# --- calibration ---------------------------------------------------------------------------------
+
+
+def test_calibration_adds_a_calibrated_block_and_keeps_the_argmax_and_native_fields():
+    scorer = FakeScorer(base={"Yes": 1.0, "No": 3.0, "Maybe": 0.5})
+    api, _ = client(scorer, calibration={"triage": 2.0})
+    body = row(options=("Yes", "No", "Maybe"), workload="triage")
+    response = api.simulate_post("/decide", json=body, headers=AUTH)
+    assert response.status_code == 200
+    native = scorer.result(scorer.calls[0][1])
+    reply = response.json
+    calibrated = reply.pop("calibrated")
+    assert reply == native
+    assert calibrated["workload"] == "triage" and calibrated["temperature"] == 2.0
+    expected = [0.5, 1.5, 0.25]  # logits / T
+    total = sum(2.718281828459045**v for v in expected)
+    assert calibrated["probabilities"] == pytest.approx(
+        [2.718281828459045**v / total for v in expected], rel=1e-12
+    )
+    argmax = lambda values: values.index(max(values))  # noqa: E731
+    assert argmax(calibrated["probabilities"]) == argmax(native["probabilities"]) == 1
+
+
+def test_calibration_applies_to_every_shared_result():
+    api, _ = client(calibration={"triage": 0.5})
+    body = {"state": "s", "decisions": [decision("a"), decision("b")], "workload": "triage"}
+    results = api.simulate_post("/decide/shared", json=body, headers=AUTH).json["results"]
+    assert [r["calibrated"]["workload"] for r in results] == ["triage", "triage"]
+
+
+@pytest.mark.parametrize("path", ["/decide", "/decide/shared"])
+def test_an_unknown_workload_is_422(path):
+    api, scorer = client(calibration={"triage": 1.0})
+    body = (
+        row(workload="nope")
+        if path == "/decide"
+        else {"state": "s", "decisions": [decision("a")], "workload": "nope"}
+    )
+    assert "unknown workload 'nope'" in assert_error(
+        api.simulate_post(path, json=body, headers=AUTH), 422, "invalid_request"
+    )
+    assert scorer.calls == []
+
+
+# --- failures map to the error table -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (ValueError("max_tokens: the prompt has 5000 tokens"), 422, "invalid_request"),
+        (OutOfMemory("CUDA out of memory"), 503, "out_of_memory"),
+        (RuntimeError("kernel exploded"), 500, "scoring_failed"),
+        (KeyError("boom"), 500, "scoring_failed"),
+    ],
+)
+def test_scorer_failures_map_to_the_error_table(error, status, code):
+    api, _ = client(FakeScorer(error=error))
+    message = assert_error(api.simulate_post("/decide", json=row(), headers=AUTH), status, code)
+    if status == 422:
+        assert "max_tokens" in message
+    assert api.simulate_get("/health").status_code == 200  # and the service stays up
+
+
+def test_a_scorer_value_error_in_a_shared_call_names_the_decision():
+    error = ValueError("rows[1]: max_tokens: the prompt has 5000 tokens")
+    error.row_index = 1
+    api, _ = client(FakeScorer(error=error))
+    body = {"state": "s", "decisions": [decision("a"), decision("b")]}
+    message = assert_error(
+        api.simulate_post("/decide/shared", json=body, headers=AUTH), 422, "invalid_request"
+    )
+    assert message == "decisions[1] (row 'b'): max_tokens: the prompt has 5000 tokens"
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'"text"', "must be a JSON object"),
+        (b'{"id": NaN}', "not valid JSON"),
+        (b"\xff\xfe", "UTF-8"),
+        (b"", "not valid JSON"),
+        (json.dumps({**row(), "extra": 1}).encode(), "unknown keys ['extra']"),
+        (json.dumps({**row(), "options": []}).encode(), "options: must hold 2..16 items"),
+        (json.dumps({**row(), "id": 5}).encode(), "id: must be a string"),
+        (json.dumps({**row(), "workload": 3}).encode(), "workload: must be a string"),
+    ],
+)
+def test_malformed_bodies_are_422(body, fragment):
+    api, scorer = client()
+    message = assert_error(
+        api.simulate_post("/decide", body=body, headers=AUTH), 422, "invalid_request"
+    )
+    assert fragment in message
+    assert scorer.calls == []
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"decisions": [decision("a")]}, "state: missing"),
+        ({"state": "", "decisions": [decision("a")]}, "state: must be a nonempty"),
+        ({"state": "s", "decisions": "a"}, "decisions: must be an array"),
+        ({"state": "s"}, "decisions: must be an array"),
+        ({"state": "s", "decisions": []}, "decisions: must hold 1..64 entries, got 0"),
+        ({"state": "s", "decisions": [decision("a"), 7]}, "decisions[1]: must be an object"),
+        (
+            {"state": "s", "decisions": [{**decision("a"), "state": "x"}]},
+            "decisions[0].: unknown keys ['state']",
+        ),
+        (
+            {"state": "s", "decisions": [decision("a", ("Only",))]},
+            "decisions[0].options: must hold 2..16",
+        ),
+        (
+            {"state": "s", "decisions": [decision("a"), decision("a")]},
+            "decisions[1].id: 'a' is already used by decisions[0]",
+        ),
+        ({"state": "s", "decisions": [decision("a")], "extra": 1}, "body: unknown keys ['extra']"),
+    ],
+)
+def test_malformed_shared_bodies_are_422(body, fragment):
+    api, scorer = client()
+    message = assert_error(
+        api.simulate_post("/decide/shared", json=body, headers=AUTH), 422, "invalid_request"
+    )
+    assert fragment in message
+    assert scorer.calls == []
+
+
+def test_too_many_decisions_is_422():
+    api, scorer = client(max_decisions=3)
+    body = {"state": "s", "decisions": [decision(f"d{i}") for i in range(4)]}
+    assert "decisions: must hold 1..3 entries, got 4" in assert_error(
+        api.simulate_post("/decide/shared", json=body, headers=AUTH), 422, "invalid_request"
+    )
+    body["decisions"] = body["decisions"][:3]
+    assert api.simulate_post("/decide/shared", json=body, headers=AUTH).status_code == 200
+
+
+def test_an_oversized_body_is_413():
+    api, scorer = client(max_body_bytes=200)
+    body = json.dumps(row(options=("Yes" * 100, "No"))).encode()
+    assert len(body) > 200
+    assert_error(api.simulate_post("/decide", body=body, headers=AUTH), 413, "request_too_large")
+    assert scorer.calls == []
+
+
+def test_a_failure_while_building_the_response_is_a_500_envelope():
+    # C3: calibration cannot read these logits; the caller still gets the envelope.
+    class Broken(FakeScorer):
+        def result(self, row):
+            return {**super().result(row), "option_logits": ["not", "numbers"]}
+
+    api, _ = client(Broken(), calibration={"triage": 1.0})
+    message = assert_error(
+        api.simulate_post("/decide", json=row(workload="triage"), headers=AUTH),
+        500,
+        "scoring_failed",
+    )
+    assert "building the response failed" in message
+
+
+def test_a_reply_that_cannot_render_as_json_is_a_500_envelope():
+    class NaNScorer(FakeScorer):
+        def result(self, row):
+            return {**super().result(row), "probabilities": [float("nan"), 0.5]}
+
+    api, _ = client(NaNScorer())
+    assert "could not be rendered" in assert_error(
+        api.simulate_post("/decide", json=row(), headers=AUTH), 500, "scoring_failed"
+    )
+
+
+# --- concurrency ---------------------------------------------------------------------------------
+
+
+def post_in_thread(api, path, body):
+    responses = []
+    thread = threading.Thread(
+        target=lambda: responses.append(api.simulate_post(path, json=body, headers=AUTH))
+    )
+    thread.start()
+    return thread, responses
+
+
+def test_health_answers_while_a_scorer_call_is_blocked():
+    api, scorer = client(FakeScorer(block=True))
+    thread, responses = post_in_thread(api, "/decide", row())
+    assert scorer.entered.wait(WAIT_S)
+    assert api.simulate_get("/health").status_code == 200
+    scorer.release.set()
+    thread.join(WAIT_S)
+    assert responses[0].status_code == 200
+
+
+def test_scorer_calls_never_overlap():
+    scorer = FakeScorer(block=True)
+    api, _ = client(scorer)
+    threads = [post_in_thread(api, "/decide", row(id=f"r{i}")) for i in range(4)]
+    assert scorer.entered.wait(WAIT_S)
+    scorer.release.set()
+    for thread, _ in threads:
+        thread.join(WAIT_S)
+    assert [responses[0].status_code for _, responses in threads] == [200] * 4
+    assert len(scorer.calls) == 4
+    assert scorer.max_active == 1
+
+
+def test_past_max_queue_the_next_post_is_429_before_its_body_is_read():
+    scorer = FakeScorer(block=True)
+    app, _ = fake_app(scorer, max_queue=1)
+    api = testing.TestClient(app)
+    thread, responses = post_in_thread(api, "/decide", row())
+    assert scorer.entered.wait(WAIT_S)
+
+    class SpyStream:
+        read_calls = 0
+
+        def read(self, size=-1):
+            SpyStream.read_calls += 1
+            return b""
+
+    environ = testing.create_environ(
+        "/decide", method="POST", headers={**AUTH, "Content-Length": "100"}
+    )
+    environ["wsgi.input"] = SpyStream()
+    result = testing.StartResponseMock()
+    body = b"".join(app(environ, result))
+    assert result.status.startswith("429")
+    assert json.loads(body)["error"]["code"] == "busy"
+    assert SpyStream.read_calls == 0
+    assert api.simulate_get("/health").status_code == 200  # GETs are not counted
+    scorer.release.set()
+    thread.join(WAIT_S)
+    assert responses[0].status_code == 200
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200  # slot freed
+
+
+def test_a_content_length_that_is_not_ascii_digits_is_a_400_envelope():
+    app, scorer = fake_app()
+    for declared in ["١٠", "+10", " 10", "1_0", "0x10"]:
+        environ = testing.create_environ("/decide", method="POST", headers=AUTH, body=b"{}")
+        environ["CONTENT_LENGTH"] = declared
+        result = testing.StartResponseMock()
+        body = json.loads(b"".join(app(environ, result)))
+        assert result.status.startswith("400"), declared
+        assert body["error"]["code"] == "bad_request"
+    assert scorer.calls == []
+
+
+# --- request ids and logs ------------------------------------------------------------------------
+
+
+def test_request_ids_are_echoed_or_made_and_every_request_logs_one_json_line(caplog):
+    api, _ = client()
+    with caplog.at_level(logging.INFO, logger="semif_serve.access"):
+        echoed = api.simulate_post(
+            "/decide", json=row(), headers={**AUTH, "X-Request-Id": "abc-123"}
+        )
+        made = api.simulate_get("/health", headers={"X-Request-Id": "bad id with spaces"})
+        refused = api.simulate_post("/decide", json=row())
+    assert echoed.headers["x-request-id"] == "abc-123"
+    assert len(made.headers["x-request-id"]) == 32 and " " not in made.headers["x-request-id"]
+    records = [json.loads(record.getMessage()) for record in caplog.records]
+    assert [(r["route"], r["status"], r["decisions"]) for r in records] == [
+        ("/decide", 200, 1),
+        ("/health", 200, None),
+        ("/decide", 401, None),
+    ]
+    assert records[0]["request_id"] == "abc-123"
+    assert records[2]["error"] == "unauthorized"
+    assert refused.headers["x-request-id"] == records[2]["request_id"]
+    assert all(r["duration_ms"] >= 0 for r in records)
