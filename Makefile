@@ -25,8 +25,8 @@ $(BIN)/python:
 # torch first, pinned: the CPU wheel on this machine's disk. A bare `torch` requirement with no
 # torch installed would pull a multi-GB CUDA build.
 $(INSTALLED): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
 clean:

@@ -58,7 +58,7 @@ class FakeScorer:
             "total_seconds": 0.002,
             "prompt_sha256": "f" * 64,
             "prompt_version": "direct-options-v1",
-            "model": self.model_info(),
+            "model": {**self.model_info(), "torch_version": "fake", "transformers_version": "fake"},
             "readout": "fake",
             "probability_status": PROBABILITY_STATUS,
         }

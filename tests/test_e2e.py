@@ -1,11 +1,14 @@
 """End to end: `semif-serve serve` under gunicorn with the real built-in SmolLM2 on the CPU."""
 
+import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from fakes import AUTH, row
 from live_server import LiveServer
+from openapi_check import validate_reply
 from rows_factory import STATE
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -34,9 +37,11 @@ def test_decide_and_shared_with_rotations_on_the_real_model(tmp_path, builtin_ca
     ) as server:
         status, health, _ = server.request("GET", "/health")
         assert status == 200 and health["model"]["source"] == "builtin:smollm2-135m"
+        validate_reply("/health", "GET", 200, health)
 
         status, direct, _ = server.request("POST", "/decide", plain, AUTH)
         assert status == 200, direct
+        validate_reply("/decide", "POST", 200, direct)
         assert (
             direct["option_ids"] == ["o0", "o1"] and direct["prompt_version"] == "direct-options-v1"
         )
@@ -55,6 +60,7 @@ def test_decide_and_shared_with_rotations_on_the_real_model(tmp_path, builtin_ca
             "POST", "/decide/shared", {"state": STATE, "decisions": decisions}, AUTH
         )
         assert status == 200, shared
+        validate_reply("/decide/shared", "POST", 200, shared)
         first, averaged = shared["results"]
         assert first["prompt_sha256"] == direct["prompt_sha256"]
         assert first["probabilities"] == pytest.approx(direct["probabilities"], abs=1e-4)
@@ -77,3 +83,22 @@ def test_startup_fails_closed_when_the_model_cannot_load(tmp_path, builtin_cache
             pass
     assert server.process.returncode != 0
     assert "does not exist" in server.log_text()
+
+
+def test_serve_without_a_token_prints_a_curl_command_that_returns_a_decision(
+    tmp_path, builtin_cache, smollm2
+):
+    token_file = tmp_path / "token"
+    command = [*semif_serve_command(), "--token-file", str(token_file)]
+    env = real_env(builtin_cache, SEMIF_API_TOKEN="")
+    server = LiveServer(command, env, tmp_path / "server.log")
+    server.env.pop("SEMIF_API_TOKEN")
+    with server:
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        printed = server.log_text().split("Try:\n", 1)[1].split("\n\n", 1)[0]
+        assert "curl" in printed and str(token_file) in printed
+        done = subprocess.run(["bash", "-c", printed], capture_output=True, text=True, timeout=60)
+        reply = json.loads(done.stdout)
+        assert (
+            reply["option_ids"] == ["yes", "no"] and reply["prompt_version"] == "direct-options-v1"
+        )

@@ -1,0 +1,76 @@
+"""docs/openapi.yaml is valid OpenAPI 3.1 and the app keeps to it."""
+
+import pytest
+from fakes import AUTH, FakeScorer, decision, fake_app, row
+from falcon import testing
+from openapi_check import spec, validate_reply, validate_request
+from openapi_spec_validator import validate as validate_spec
+
+from semif_serve.http.errors import FALCON_CODES, STATUS_AND_CODE
+from semif_serve.server import GUNICORN_ERROR_CODES
+
+
+def test_the_document_is_valid_openapi_3_1():
+    validate_spec(spec())
+    assert spec()["openapi"].startswith("3.1")
+
+
+def test_the_documented_routes_are_the_apps_routes():
+    app, _ = fake_app()
+    api = testing.TestClient(app)
+    documented = {
+        (path, method.upper()) for path, item in spec()["paths"].items() for method in item
+    }
+    assert documented == {("/health", "GET"), ("/decide", "POST"), ("/decide/shared", "POST")}
+    for path, method in documented:
+        assert api.simulate_request(method, path, headers=AUTH).status_code not in (404, 405)
+    assert spec()["paths"]["/health"]["get"]["security"] == []
+
+
+def test_every_error_code_the_service_can_send_is_documented():
+    documented = set(
+        spec()["components"]["schemas"]["Error"]["properties"]["error"]["properties"]["code"][
+            "enum"
+        ]
+    )
+    sent = {code for _, code in STATUS_AND_CODE.values()} | set(FALCON_CODES.values())
+    sent |= set(GUNICORN_ERROR_CODES.values()) | {"http_error", "internal_error"}
+    assert documented == sent
+
+
+CASES = [
+    ("/decide", row()),
+    ("/decide", row(workload="triage")),
+    ("/decide", row(options=("A", "B", "C"), orderings="rotations")),
+    ("/decide", row(options=("A", "B"), orderings="all")),
+    (
+        "/decide/shared",
+        {"state": ["a", 1], "decisions": [decision("a"), decision("b", orderings="rotations")]},
+    ),
+    ("/decide/shared", {"state": {"k": "v"}, "decisions": [decision("a")], "workload": "triage"}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), CASES)
+def test_successful_requests_and_replies_match_the_schemas(path, body):
+    validate_request(path, body)
+    app, _ = fake_app(FakeScorer(base={"A": 1.0}), calibration={"triage": 1.3})
+    response = testing.TestClient(app).simulate_post(path, json=body, headers=AUTH)
+    assert response.status_code == 200
+    validate_reply(path, "POST", 200, response.json)
+
+
+def test_health_matches_its_schema():
+    app, _ = fake_app(calibration={"triage": 1.3}, vram_cap_gib=5.5)
+    validate_reply("/health", "GET", 200, testing.TestClient(app).simulate_get("/health").json)
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status"),
+    [({}, row(), 401), (AUTH, {"id": 1}, 422), (AUTH, "x" * 2000, 413)],
+)
+def test_error_replies_match_the_envelope(headers, body, status):
+    app, _ = fake_app(max_body_bytes=1000)
+    response = testing.TestClient(app).simulate_post("/decide", json=body, headers=headers)
+    assert response.status_code == status
+    validate_reply("/decide", "POST", status, response.json)
