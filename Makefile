@@ -13,11 +13,11 @@ serve: $(INSTALLED)
 		$(BIN)/semif-serve serve --token-file .semif-token
 
 test: $(INSTALLED)
-	$(BIN)/ruff check semif_serve tests
+	$(BIN)/ruff check semif_serve tests bench
 	$(BIN)/python -m pytest
 
 lint: $(INSTALLED)
-	$(BIN)/ruff check semif_serve tests
+	$(BIN)/ruff check semif_serve tests bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

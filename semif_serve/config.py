@@ -44,6 +44,7 @@ class Settings:
     bind: str = DEFAULT_BIND
     graceful_timeout_s: int = 60
     cache_dir: Path | None = None
+    require_fast_kernels: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -70,6 +71,9 @@ class Settings:
             bind=parse_bind(env.get("SEMIF_BIND", DEFAULT_BIND)),
             graceful_timeout_s=parse_limit(env, "SEMIF_GRACEFUL_TIMEOUT_S", 60),
             cache_dir=Path(env["SEMIF_CACHE_DIR"]) if env.get("SEMIF_CACHE_DIR") else None,
+            require_fast_kernels=parse_flag(
+                env, "SEMIF_REQUIRE_FAST_KERNELS", default=device != "cpu"
+            ),
         )
 
 
@@ -97,6 +101,15 @@ def parse_limit(env: Mapping[str, str], name: str, default: int) -> int:
     if value < 1:
         raise ConfigError(f"{name}: must be an integer >= 1, got {text!r}")
     return value
+
+
+def parse_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name)
+    if text is None:
+        return default
+    if text not in ("0", "1"):
+        raise ConfigError(f"{name}: must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def parse_vram_cap(text: str | None) -> float | None:

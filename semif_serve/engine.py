@@ -1,12 +1,19 @@
-"""`Engine`: the one object that runs scorer calls, one at a time, and maps their failures.
+"""`Engine`: the one object that runs scorer calls, one at a time, and owns the memory policy.
 
-The engine owns the process-wide lock (INV-2: scorer calls never overlap) and the failure
-policy: a ValueError is the caller's fault and passes through; `OutOfMemory` passes through;
-anything else is logged with its traceback and re-raised unchained as `ScoringFailed`, so the
-failed call's frames (and tensors) are not kept alive by the exception.
+It holds the process-wide lock (INV-2: scorer calls never overlap) and the failure policy
+(INV-4, bug hunt C4, C5, S9):
+- a ValueError is the caller's fault and passes through (422);
+- an out-of-memory error (torch's OutOfMemoryError, or a RuntimeError from cuBLAS/cuDNN that says
+  "out of memory") becomes `OutOfMemory` (503), reported as "CUDA out of memory" when the error
+  came with no message;
+- anything else is logged with its traceback and becomes `ScoringFailed` (500).
+Both are raised *unchained*, after the failed call's frames are gone and `gc.collect()` ran, and
+only then is the allocator cache emptied: a chained exception would keep the failed call's
+tensors alive (on the card, 11.9 GiB stayed allocated after a 503).
+After every successful call on a GPU, reserved memory more than 512 MiB over the post-warm-up
+baseline is handed back (`empty_cache`), so a burst does not keep the card's shared headroom.
 
-`TorchScorer` adapts the scoring functions to the engine; `load_engine` builds one from
-settings and proves it with a warm-up decision (INV-3).
+torch is passed in (`torch_module`), so the policy is tested against a fake torch.
 """
 
 from __future__ import annotations
@@ -14,20 +21,17 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from semif_serve.errors import OutOfMemory, ScoringFailed
-from semif_serve.scoring.rows import Row, parse_row
+from semif_serve.scoring.rows import Row
 
 log = logging.getLogger(__name__)
 
-WARM_UP_ROW = {
-    "id": "warm-up",
-    "state": "The service is starting.",
-    "question": "Is the service starting?",
-    "options": [{"id": "yes", "description": "Yes"}, {"id": "no", "description": "No"}],
-}
+RELEASE_MARGIN_BYTES = 512 * 1024 * 1024
+EMPTY_OOM_MESSAGE = "CUDA out of memory"
 
 
 class Scorer(Protocol):
@@ -39,9 +43,16 @@ class Scorer(Protocol):
 
 
 class Engine:
-    def __init__(self, scorer: Scorer):
+    def __init__(self, scorer: Scorer, *, device: str = "cpu", torch_module: Any = None):
         self._scorer = scorer
         self._lock = threading.Lock()
+        self._device = device
+        self._torch = torch_module
+        self.baseline_reserved: int | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self._device.startswith("cuda")
 
     def model_info(self) -> dict[str, Any]:
         return self._scorer.model_info()
@@ -52,58 +63,57 @@ class Engine:
     def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return self._call(self._scorer.score_shared, rows)
 
+    def record_baseline(self) -> None:
+        """Remember reserved memory now (after warm-up): the level a finished call returns to."""
+        if self.on_gpu:
+            self.baseline_reserved = self._torch.cuda.memory_reserved(self._device)
+
     def _call(self, method: Callable, argument: Any) -> Any:
         with self._lock:
             try:
-                return method(argument)
-            except (ValueError, OutOfMemory):
+                result = method(argument)
+            except ValueError:
                 raise
             except Exception as error:
-                log.exception("scorer call failed")
-                message = f"scoring failed: {type(error).__name__}: {error}"
-            # Outside the except block: the traceback and its frames are gone before we collect.
+                failure = self._failure(error)
+            else:
+                self._release_over_baseline()
+                return result
+            # Here the except block has ended: the error, its traceback and the failed call's
+            # frames (holding its tensors) are unreachable. Collect cycles, then empty the cache.
             gc.collect()
-            raise ScoringFailed(message)
+            self._empty_cache()
+            raise failure
+
+    def _failure(self, error: Exception) -> OutOfMemory | ScoringFailed:
+        """The unchained exception to raise for `error` (built while `error` is still known)."""
+        if is_out_of_memory(error, self._torch):
+            message = str(error).strip() or EMPTY_OOM_MESSAGE
+            log.warning("out of memory during scoring: %s", message.splitlines()[0])
+            return OutOfMemory(message)
+        # The traceback goes to the log as text: a record holding exc_info (pytest's caplog, an
+        # error tracker) would keep the failed call's frames and tensors alive.
+        log.error("scorer call failed:\n%s", "".join(traceback.format_exception(error)).rstrip())
+        return ScoringFailed(f"scoring failed: {type(error).__name__}: {error}")
+
+    def _release_over_baseline(self) -> None:
+        if self.baseline_reserved is None:
+            return
+        reserved = self._torch.cuda.memory_reserved(self._device)
+        if reserved > self.baseline_reserved + RELEASE_MARGIN_BYTES:
+            self._torch.cuda.empty_cache()
+
+    def _empty_cache(self) -> None:
+        if self.on_gpu:
+            self._torch.cuda.empty_cache()
 
 
-class TorchScorer:
-    """The direct and shared scorers over one loaded model, with the server's max_tokens."""
-
-    def __init__(self, scoring_model: Any, max_tokens: int):
-        self._model = scoring_model
-        self._max_tokens = max_tokens
-
-    def model_info(self) -> dict[str, Any]:
-        info = self._model.info
-        return {
-            "source": info.source,
-            "revision": info.revision,
-            "dtype": info.dtype,
-            "device": info.device,
-        }
-
-    def score(self, row: Row) -> dict[str, Any]:
-        from semif_serve.scoring import score
-
-        return score(self._model, row, max_tokens=self._max_tokens)
-
-    def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from semif_serve.scoring import score_shared
-
-        return score_shared(self._model, rows, max_tokens=self._max_tokens)
-
-
-def load_engine(settings: Any) -> Engine:
-    """Load the configured model and score one warm-up decision; any failure stops startup."""
-    from semif_serve.loading import load_model
-
-    scoring_model = load_model(
-        settings.model,
-        settings.revision,
-        dtype=settings.dtype,
-        device=settings.device,
-        cache_dir=settings.cache_dir,
-    )
-    engine = Engine(TorchScorer(scoring_model, settings.max_tokens))
-    engine.score(parse_row(WARM_UP_ROW))
-    return engine
+def is_out_of_memory(error: BaseException, torch_module: Any) -> bool:
+    """torch's OOM error, or a RuntimeError (cuBLAS, cuDNN, CUDA) whose message says so, or an
+    `OutOfMemory` a scorer raised itself."""
+    if isinstance(error, OutOfMemory):
+        return True
+    oom_type = getattr(torch_module, "OutOfMemoryError", None)  # torch.cuda's, exported at top
+    if oom_type is not None and isinstance(error, oom_type):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()

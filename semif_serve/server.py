@@ -105,11 +105,11 @@ def configure_logging() -> None:
 
 def production_app(settings: Settings) -> Any:
     """Load the model (fail closed), then build the app. Runs in the worker process."""
-    from semif_serve.engine import load_engine
+    from semif_serve.boot import build_engine
     from semif_serve.http import create_app
     from semif_serve.runtime.service import DecisionService
 
-    return create_app(DecisionService(load_engine(settings), settings), settings)
+    return create_app(DecisionService(build_engine(settings), settings), settings)
 
 
 def run(settings: Settings, app_factory: Callable[[], Any] | None = None) -> None:

@@ -1,9 +1,10 @@
-"""The engine's lock and failure policy, with fake scorers."""
+"""The engine's lock and memory policy against a fake torch (contract INV-2, INV-4; C4, C5, S9)."""
 
 import pytest
+from fake_torch import GIB, MIB, FakeTorch
 from fakes import FakeScorer
 
-from semif_serve.engine import Engine
+from semif_serve.engine import EMPTY_OOM_MESSAGE, RELEASE_MARGIN_BYTES, Engine
 from semif_serve.errors import OutOfMemory, ScoringFailed
 from semif_serve.scoring import parse_row
 
@@ -17,27 +18,139 @@ ROW = parse_row(
 )
 
 
-def test_value_errors_and_out_of_memory_pass_through():
-    for error in (ValueError("options: bad"), OutOfMemory("CUDA out of memory")):
-        with pytest.raises(type(error)) as caught:
-            Engine(FakeScorer(error=error)).score(ROW)
-        assert caught.value is error
+class HoldingScorer(FakeScorer):
+    """Holds a fake tensor in its frame (and optionally in a reference cycle), then fails."""
+
+    def __init__(self, torch, error_factory, cycle=False):
+        super().__init__()
+        self.torch = torch
+        self.error_factory = error_factory
+        self.cycle = cycle
+
+    def score(self, row):
+        tensor = self.torch.cuda.hold()
+        if self.cycle:
+            tensor.myself = tensor  # only gc.collect() frees this one
+        raise self.error_factory(self.torch)
 
 
-def test_other_failures_become_an_unchained_scoring_failed(caplog):
-    with pytest.raises(
-        ScoringFailed, match="scoring failed: RuntimeError: kernel exploded"
-    ) as caught:
-        Engine(FakeScorer(error=RuntimeError("kernel exploded"))).score_shared([ROW])
-    assert caught.value.__cause__ is None and caught.value.__context__ is None
-    assert "kernel exploded" in caplog.text  # logged with its traceback
-    assert "Traceback" in caplog.text
+def gpu_engine(scorer, torch):
+    engine = Engine(scorer, device="cuda", torch_module=torch)
+    engine.record_baseline()
+    return engine
 
 
-def test_the_lock_is_released_after_a_failure():
+@pytest.mark.parametrize(
+    "make_error",
+    [
+        lambda torch: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        lambda torch: RuntimeError("CUBLAS_STATUS_ALLOC_FAILED: cuBLAS out of memory"),
+        lambda torch: RuntimeError("CUDA error: out of memory"),
+    ],
+)
+@pytest.mark.parametrize("cycle", [False, True])
+def test_out_of_memory_is_unchained_and_the_cache_is_emptied_after_the_tensors_are_freed(
+    make_error, cycle
+):
+    torch = FakeTorch()
+    engine = gpu_engine(HoldingScorer(torch, make_error, cycle), torch)
+    with pytest.raises(OutOfMemory, match="out of memory") as caught:
+        engine.score(ROW)
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+    assert torch.cuda.empty_cache_calls == [True]
+
+
+def test_an_out_of_memory_error_with_no_message_is_reported_as_cuda_out_of_memory():
+    torch = FakeTorch()
+    engine = gpu_engine(HoldingScorer(torch, lambda t: t.cuda.OutOfMemoryError()), torch)
+    with pytest.raises(OutOfMemory) as caught:
+        engine.score(ROW)
+    assert str(caught.value) == EMPTY_OOM_MESSAGE
+
+
+@pytest.mark.parametrize("cycle", [False, True])
+def test_other_failures_are_logged_then_unchained_scoring_failed_after_gc_and_empty_cache(
+    caplog, cycle
+):
+    torch = FakeTorch()
+    engine = gpu_engine(HoldingScorer(torch, lambda t: KeyError("kernel state"), cycle), torch)
+    with pytest.raises(ScoringFailed, match="scoring failed: KeyError") as caught:
+        engine.score(ROW)
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+    assert torch.cuda.empty_cache_calls == [True]
+    assert "Traceback" in caplog.text and "kernel state" in caplog.text
+
+
+def test_an_empty_runtime_error_is_a_scoring_failure_not_an_oom():
+    torch = FakeTorch()
+    engine = gpu_engine(HoldingScorer(torch, lambda t: RuntimeError()), torch)
+    with pytest.raises(ScoringFailed):
+        engine.score(ROW)
+
+
+def test_value_errors_pass_through_untouched_and_release_nothing():
+    torch = FakeTorch()
+    error = ValueError("options: bad")
+    with pytest.raises(ValueError) as caught:
+        gpu_engine(FakeScorer(error=error), torch).score(ROW)
+    assert caught.value is error
+    assert torch.cuda.empty_cache_calls == []
+
+
+class Grows(FakeScorer):
+    """Each call leaves `reserved` at `after` bytes."""
+
+    def __init__(self, torch, after):
+        super().__init__()
+        self.torch, self.after = torch, after
+
+    def score_shared(self, rows):
+        self.torch.cuda.reserved = self.after
+        return super().score_shared(rows)
+
+
+@pytest.mark.parametrize(
+    ("growth", "released"),
+    [(0, False), (RELEASE_MARGIN_BYTES, False), (RELEASE_MARGIN_BYTES + 1, True), (3 * GIB, True)],
+)
+def test_after_a_call_memory_over_baseline_plus_512_mib_is_released_and_not_otherwise(
+    growth, released
+):
+    torch = FakeTorch()
+    torch.cuda.reserved = 7 * GIB
+    scorer = Grows(torch, 7 * GIB + growth)
+    engine = gpu_engine(scorer, torch)
+    assert engine.baseline_reserved == 7 * GIB
+    engine.score_shared([ROW])
+    assert torch.cuda.empty_cache_calls == ([True] if released else [])
+    assert RELEASE_MARGIN_BYTES == 512 * MIB
+
+
+def test_the_cpu_engine_maps_oom_but_never_touches_cuda():
+    class NoCuda:
+        OutOfMemoryError = FakeTorch.OutOfMemoryError
+
+        @property
+        def cuda(self):
+            raise AssertionError("the CPU engine called torch.cuda")
+
+    torch = FakeTorch()
+    engine = Engine(
+        HoldingScorer(torch, lambda t: t.OutOfMemoryError("oom")),
+        device="cpu",
+        torch_module=NoCuda(),
+    )
+    engine.record_baseline()
+    with pytest.raises(OutOfMemory):
+        engine.score(ROW)
+    assert engine.baseline_reserved is None
+
+
+def test_the_lock_is_released_after_a_failure_and_calls_never_overlap():
     scorer = FakeScorer(error=RuntimeError("once"))
     engine = Engine(scorer)
     with pytest.raises(ScoringFailed):
         engine.score(ROW)
     scorer.error = None
     assert engine.score(ROW)["id"] == "a"
+    assert scorer.max_active == 1

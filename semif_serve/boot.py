@@ -1,0 +1,147 @@
+"""Build the production engine, failing closed (INV-3, INV-4).
+
+In order: the device checks (a CUDA device whose `sm_XY` is in torch's arch list, unless
+SEMIF_DEVICE=cpu was set explicitly), the VRAM cap (torch's per-process memory fraction, set
+BEFORE the model loads), the model load, the fast-kernel check for linear-attention models, one
+warm-up decision, and the memory baseline the engine releases back to. Any failure raises
+`StartupError` and nothing is served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from semif_serve.engine import Engine
+from semif_serve.scoring.rows import Row, parse_row
+
+GIB = 1 << 30
+WARM_UP_ROW = {
+    "id": "warm-up",
+    "state": "The service is starting.",
+    "question": "Is the service starting?",
+    "options": [{"id": "yes", "description": "Yes"}, {"id": "no", "description": "No"}],
+}
+FAST_KERNEL_PACKAGES = ("flash-linear-attention", "causal-conv1d")
+
+
+class StartupError(RuntimeError):
+    """The service must not start; the message says why and what to change."""
+
+
+class TorchScorer:
+    """The direct and shared scorers over one loaded model, with the server's max_tokens."""
+
+    def __init__(self, scoring_model: Any, max_tokens: int):
+        self.scoring_model = scoring_model
+        self._max_tokens = max_tokens
+
+    def model_info(self) -> dict[str, Any]:
+        info = self.scoring_model.info
+        return {
+            "source": info.source,
+            "revision": info.revision,
+            "dtype": info.dtype,
+            "device": info.device,
+        }
+
+    def score(self, row: Row) -> dict[str, Any]:
+        from semif_serve.scoring import score
+
+        return score(self.scoring_model, row, max_tokens=self._max_tokens)
+
+    def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        from semif_serve.scoring import score_shared
+
+        return score_shared(self.scoring_model, rows, max_tokens=self._max_tokens)
+
+
+def check_device(device: str, torch_module: Any) -> None:
+    """A CUDA device this torch build has kernels for; the CPU only when asked for by name."""
+    if device == "cpu":
+        return
+    cuda = torch_module.cuda
+    if not cuda.is_available():
+        raise StartupError(
+            f"SEMIF_DEVICE={device} but torch sees no CUDA device; set SEMIF_DEVICE=cpu to "
+            "serve on the CPU on purpose"
+        )
+    major, minor = cuda.get_device_capability(device)
+    arch = f"sm_{major}{minor}"
+    arch_list = list(cuda.get_arch_list())
+    if arch not in arch_list:
+        raise StartupError(
+            f"the GPU on {device} is {arch}, which this torch build has no kernels for "
+            f"(arch list: {', '.join(arch_list) or 'empty'})"
+        )
+
+
+def apply_vram_cap(cap_gib: float | None, device: str, torch_module: Any) -> float | None:
+    """Cap this process at `cap_gib` of the card; returns the fraction set (None: uncapped)."""
+    if cap_gib is None or device == "cpu":
+        return None
+    total = torch_module.cuda.get_device_properties(device).total_memory
+    fraction = cap_gib * GIB / total
+    if fraction > 1:
+        raise StartupError(
+            f"SEMIF_VRAM_CAP_GIB={cap_gib} is more than the card's {total / GIB:.1f} GiB"
+        )
+    torch_module.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def missing_fast_kernels(model_config: Any, availability: dict[str, bool]) -> list[str]:
+    """The gpu-extra packages a linear-attention model would run without (the slow path)."""
+    if "linear_attention" not in (getattr(model_config, "layer_types", None) or []):
+        return []
+    return [package for package in FAST_KERNEL_PACKAGES if not availability.get(package)]
+
+
+def fast_kernel_availability() -> dict[str, bool]:
+    from transformers.utils.import_utils import (
+        is_causal_conv1d_available,
+        is_flash_linear_attention_available,
+    )
+
+    return {
+        "flash-linear-attention": bool(is_flash_linear_attention_available()),
+        "causal-conv1d": bool(is_causal_conv1d_available()),
+    }
+
+
+def build_engine(settings: Any, torch_module: Any = None, load: Any = None) -> Engine:
+    """The production engine for `settings`; raises StartupError instead of serving badly."""
+    if torch_module is None:
+        import torch as torch_module
+    if load is None:
+        from semif_serve.loading import load_model as load
+    check_device(settings.device, torch_module)
+    apply_vram_cap(settings.vram_cap_gib, settings.device, torch_module)
+    try:
+        scoring_model = load(
+            settings.model,
+            settings.revision,
+            dtype=settings.dtype,
+            device=settings.device,
+            cache_dir=settings.cache_dir,
+        )
+    except Exception as error:
+        raise StartupError(f"cannot load SEMIF_MODEL={settings.model}: {error}") from error
+    if settings.require_fast_kernels:
+        missing = missing_fast_kernels(scoring_model.model.config, fast_kernel_availability())
+        if missing:
+            raise StartupError(
+                f"{settings.model} has linear-attention layers and would run the slow reference "
+                f"path: {', '.join(missing)} not usable. Install the gpu extra, or set "
+                "SEMIF_REQUIRE_FAST_KERNELS=0 to accept the slow path"
+            )
+    engine = Engine(
+        TorchScorer(scoring_model, settings.max_tokens),
+        device=settings.device,
+        torch_module=torch_module,
+    )
+    try:
+        engine.score(parse_row(WARM_UP_ROW))
+    except Exception as error:
+        raise StartupError(f"the warm-up decision failed: {error}") from error
+    engine.record_baseline()
+    return engine

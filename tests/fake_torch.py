@@ -1,0 +1,67 @@
+"""A fake torch for the engine's memory policy and startup checks: no GPU needed.
+
+`cuda.watch` holds weak references to a failed call's "tensors"; each `empty_cache()` call
+records whether they were all freed by then.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import SimpleNamespace
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class FakeTensor:
+    """Stands in for a tensor a scorer call holds; weak-referenceable."""
+
+
+class FakeCuda:
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    def __init__(
+        self, available=True, capability=(9, 0), arch_list=("sm_80", "sm_90"), total=80 * GIB
+    ):
+        self.available = available
+        self.capability = capability
+        self.arch_list = list(arch_list)
+        self.total = total
+        self.reserved = 0
+        self.fraction = None
+        self.watch: list[weakref.ref] = []
+        self.empty_cache_calls: list[bool] = []  # per call: were all watched tensors freed?
+
+    def is_available(self):
+        return self.available
+
+    def get_device_capability(self, device=None):
+        return self.capability
+
+    def get_arch_list(self):
+        return self.arch_list
+
+    def get_device_properties(self, device=None):
+        return SimpleNamespace(total_memory=self.total)
+
+    def set_per_process_memory_fraction(self, fraction, device=None):
+        self.fraction = fraction
+
+    def memory_reserved(self, device=None):
+        return self.reserved
+
+    def empty_cache(self):
+        self.empty_cache_calls.append(all(ref() is None for ref in self.watch))
+
+    def hold(self) -> FakeTensor:
+        tensor = FakeTensor()
+        self.watch.append(weakref.ref(tensor))
+        return tensor
+
+
+class FakeTorch:
+    OutOfMemoryError = FakeCuda.OutOfMemoryError
+
+    def __init__(self, **cuda):
+        self.cuda = FakeCuda(**cuda)
