@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from semif_serve.engine import Engine
+from semif_serve.runtime.specs import MAX_SLOTS
 from semif_serve.scoring.rows import Row, parse_row
 
 GIB = 1 << 30
@@ -108,36 +109,46 @@ def fast_kernel_availability() -> dict[str, bool]:
     }
 
 
-def build_engine(settings: Any, torch_module: Any = None, load: Any = None) -> Engine:
-    """The production engine for `settings`; raises StartupError instead of serving badly."""
+def build_engine(
+    settings: Any, spec: Any = None, torch_module: Any = None, load: Any = None, lock: Any = None
+) -> Engine:
+    """The engine for one model (`spec`, default: SEMIF_MODEL); StartupError instead of serving
+    badly."""
+    if spec is None:
+        from semif_serve.runtime.specs import default_spec
+
+        spec = default_spec(settings)
     if torch_module is None:
         import torch as torch_module
     if load is None:
         from semif_serve.loading import load_model as load
-    check_device(settings.device, torch_module)
-    apply_vram_cap(settings.vram_cap_gib, settings.device, torch_module)
+    check_device(spec.device, torch_module)
+    apply_vram_cap(settings.vram_cap_gib, spec.device, torch_module)
     try:
         scoring_model = load(
-            settings.model,
-            settings.revision,
-            dtype=settings.dtype,
-            device=settings.device,
+            spec.source,
+            spec.revision,
+            dtype=spec.dtype,
+            device=spec.device,
             cache_dir=settings.cache_dir,
         )
     except Exception as error:
-        raise StartupError(f"cannot load SEMIF_MODEL={settings.model}: {error}") from error
+        raise StartupError(f"cannot load model {spec.id!r} ({spec.source}): {error}") from error
     if settings.require_fast_kernels:
         missing = missing_fast_kernels(scoring_model.model.config, fast_kernel_availability())
         if missing:
             raise StartupError(
-                f"{settings.model} has linear-attention layers and would run the slow reference "
+                f"{spec.source} has linear-attention layers and would run the slow reference "
                 f"path: {', '.join(missing)} not usable. Install the gpu extra, or set "
                 "SEMIF_REQUIRE_FAST_KERNELS=0 to accept the slow path"
             )
     engine = Engine(
-        TorchScorer(scoring_model, settings.max_tokens),
-        device=settings.device,
+        TorchScorer(scoring_model, spec.max_tokens),
+        device=spec.device,
         torch_module=torch_module,
+        concurrency=spec.slots,
+        max_parallel_slots=MAX_SLOTS,  # TODO(runtime issue): derive from cap, baseline and peak
+        lock=lock,
     )
     try:
         engine.score(parse_row(WARM_UP_ROW))

@@ -45,6 +45,12 @@ class Settings:
     graceful_timeout_s: int = 60
     cache_dir: Path | None = None
     require_fast_kernels: bool = False
+    parallel_slots: int | None = None  # SEMIF_PARALLEL_SLOTS: set selects the parallel runtime
+    models_file: str | None = None
+    queue_timeout_s: float = 0.0  # 0: a queued request waits as long as it takes
+    admin_token: str | None = field(default=None, repr=False)
+    max_loaded_models: int | None = None
+    memory_budget_gib: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -73,6 +79,14 @@ class Settings:
             cache_dir=Path(env["SEMIF_CACHE_DIR"]) if env.get("SEMIF_CACHE_DIR") else None,
             require_fast_kernels=parse_flag(
                 env, "SEMIF_REQUIRE_FAST_KERNELS", default=device != "cpu"
+            ),
+            parallel_slots=parse_slot_count(env.get("SEMIF_PARALLEL_SLOTS")),
+            models_file=env.get("SEMIF_MODELS_FILE") or None,
+            queue_timeout_s=parse_seconds(env, "SEMIF_QUEUE_TIMEOUT_S"),
+            admin_token=parse_admin_token(env.get("SEMIF_ADMIN_TOKEN")),
+            max_loaded_models=parse_limit(env, "SEMIF_MAX_LOADED_MODELS", 0) or None,
+            memory_budget_gib=parse_gib(
+                env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"
             ),
         )
 
@@ -114,15 +128,51 @@ def parse_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def parse_vram_cap(text: str | None) -> float | None:
     """Unset means uncapped; a set value is a finite number of GiB > 0 (0 is not 'uncapped')."""
+    return parse_gib(text, "SEMIF_VRAM_CAP_GIB")
+
+
+def parse_gib(text: str | None, name: str) -> float | None:
     if text is None:
         return None
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(f"SEMIF_VRAM_CAP_GIB: must be a number of GiB, got {text!r}") from None
+        raise ConfigError(f"{name}: must be a number of GiB, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"SEMIF_VRAM_CAP_GIB: must be finite and > 0, got {text!r}")
+        raise ConfigError(f"{name}: must be finite and > 0, got {text!r}")
     return value
+
+
+def parse_seconds(env: Mapping[str, str], name: str) -> float:
+    """A finite number of seconds >= 0; unset or 0 means no limit."""
+    text = env.get(name)
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name}: must be finite and >= 0, got {text!r}")
+    return value
+
+
+def parse_slot_count(text: str | None) -> int | None:
+    if text is None:
+        return None
+    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= 16:
+        raise ConfigError(f"SEMIF_PARALLEL_SLOTS: must be an integer 1..16, got {text!r}")
+    return int(text)
+
+
+def parse_admin_token(token: str | None) -> str | None:
+    """Unset: every management call is refused. Set: the same rules as SEMIF_API_TOKEN."""
+    if token is None:
+        return None
+    try:
+        return parse_token(token)
+    except ConfigError as error:
+        raise ConfigError(str(error).replace("SEMIF_API_TOKEN", "SEMIF_ADMIN_TOKEN")) from None
 
 
 def parse_bind(text: str) -> str:

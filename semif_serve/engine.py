@@ -43,12 +43,25 @@ class Scorer(Protocol):
 
 
 class Engine:
-    def __init__(self, scorer: Scorer, *, device: str = "cpu", torch_module: Any = None):
-        self._scorer = scorer
-        self._lock = threading.Lock()
+    """One loaded model. `concurrency` scorer calls may run at once (its slots; 1 = a lock)."""
+
+    def __init__(
+        self,
+        scorer: Scorer,
+        *,
+        device: str = "cpu",
+        torch_module: Any = None,
+        concurrency: int = 1,
+        max_parallel_slots: int | None = None,
+        lock: Any = None,
+    ):
+        self._scorer: Scorer | None = scorer
+        # `lock`: one process-wide lock shared by every engine (the single-lock runtime, INV-2).
+        self._lock = lock or threading.BoundedSemaphore(concurrency)
         self._device = device
         self._torch = torch_module
         self.baseline_reserved: int | None = None
+        self.max_parallel_slots = max_parallel_slots
 
     @property
     def on_gpu(self) -> bool:
@@ -62,6 +75,13 @@ class Engine:
 
     def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return self._call(self._scorer.score_shared, rows)
+
+    def close(self) -> None:
+        """Drop the model and hand its memory back; the engine serves nothing afterwards."""
+        with self._lock:
+            self._scorer = None
+        gc.collect()
+        self._empty_cache()
 
     def record_baseline(self) -> None:
         """Remember reserved memory now (after warm-up): the level a finished call returns to."""

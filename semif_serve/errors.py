@@ -34,3 +34,23 @@ class OutOfMemory(ServeError):
 
 class ScoringFailed(ServeError):
     """The scorer failed for another reason, or the response could not be built → 500."""
+
+
+class Forbidden(ServeError):
+    """A management call without the admin token → 403."""
+
+
+class ModelNotFound(ServeError):
+    """No model is registered under that id → 404."""
+
+
+class BadManagementRequest(ServeError):
+    """A management call that cannot be applied (bad spec, unsupported slots) → 400."""
+
+
+class QueueTimedOut(ServeError):
+    """A request or manager waited past the queue timeout and left the queue → 503."""
+
+
+class InsufficientMemory(ServeError):
+    """A model cannot be loaded: the residency limit is reached and nothing is idle → 503."""

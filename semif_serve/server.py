@@ -41,6 +41,7 @@ def gunicorn_options(settings: Settings) -> dict[str, Any]:
         "loglevel": "info",
         "proc_name": "semif-serve",
         "control_socket_disable": True,  # no management socket in $HOME; nothing uses it
+        "worker_exit": close_runtime,
     }
 
 
@@ -103,13 +104,43 @@ def configure_logging() -> None:
     logging.getLogger("semif_serve").setLevel(logging.INFO)
 
 
-def production_app(settings: Settings) -> Any:
-    """Load the model (fail closed), then build the app. Runs in the worker process."""
+def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None = None) -> Any:
+    """The registry: SEMIF_MODELS_FILE's models, or the one `default` model of SEMIF_MODEL.
+
+    Without SEMIF_PARALLEL_SLOTS every engine shares one process-wide lock (INV-2)."""
+    import threading
+
     from semif_serve.boot import build_engine
+    from semif_serve.runtime.registry import Runtime
+    from semif_serve.runtime.specs import default_spec, load_models_file
+
+    if settings.models_file:
+        specs, default_id = load_models_file(settings.models_file, settings)
+    else:
+        specs, default_id = [default_spec(settings)], "default"
+    shared_lock = threading.Lock() if settings.parallel_slots is None else None
+    factory = engine_factory or (lambda spec: build_engine(settings, spec, lock=shared_lock))
+    return Runtime(settings, factory, specs, default_id)
+
+
+RUNTIME: Any = None  # the process-wide runtime, created in the worker; closed at worker exit
+
+
+def production_app(settings: Settings) -> Any:
+    """Load the startup models (fail closed), then build the app. Runs in the worker process."""
+    global RUNTIME
     from semif_serve.http import create_app
     from semif_serve.runtime.service import DecisionService
 
-    return create_app(DecisionService(build_engine(settings), settings), settings)
+    RUNTIME = build_runtime(settings)
+    RUNTIME.start()
+    return create_app(DecisionService(RUNTIME, settings), settings)
+
+
+def close_runtime(server: Any, worker: Any) -> None:
+    """gunicorn's worker_exit hook: after requests drained, stop the runtime and its models."""
+    if RUNTIME is not None:
+        RUNTIME.close()
 
 
 def run(settings: Settings, app_factory: Callable[[], Any] | None = None) -> None:

@@ -14,6 +14,7 @@ from semif_serve.engine import Engine
 from semif_serve.http import create_app
 from semif_serve.runtime.service import DecisionService
 from semif_serve.scoring.result import PROBABILITY_STATUS
+from semif_serve.server import build_runtime
 
 TOKEN = "t" * 40
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -93,10 +94,18 @@ def settings(**overrides) -> Settings:
     return Settings(**values)
 
 
+def fake_runtime(scorer, config):
+    """The production runtime over one `default` model whose engine drives `scorer`."""
+    runtime = build_runtime(config, lambda spec: Engine(scorer))
+    runtime.start(idle_interval_s=None)
+    return runtime
+
+
 def fake_app(scorer=None, in_flight=None, **overrides):
     scorer = scorer or FakeScorer()
     config = settings(**overrides)
-    return create_app(DecisionService(Engine(scorer), config), config, in_flight), scorer
+    service = DecisionService(fake_runtime(scorer, config), config)
+    return create_app(service, config, in_flight), scorer
 
 
 def row(id="r1", options=("Yes", "No"), **extra):

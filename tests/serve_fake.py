@@ -12,10 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fakes import WAIT_S, FakeScorer  # noqa: E402
+from fakes import WAIT_S, FakeScorer, fake_runtime  # noqa: E402
 
 from semif_serve.config import Settings  # noqa: E402
-from semif_serve.engine import Engine  # noqa: E402
 from semif_serve.http import create_app  # noqa: E402
 from semif_serve.runtime.admission import InFlightLimit  # noqa: E402
 from semif_serve.runtime.service import DecisionService  # noqa: E402
@@ -53,7 +52,7 @@ class ReportingLimit(InFlightLimit):
 def app():
     settings = Settings.from_env()
     scorer = GatedScorer() if os.environ.get("SEMIF_TEST_GATED") == "1" else FakeScorer()
-    service = DecisionService(Engine(scorer), settings)
+    service = DecisionService(fake_runtime(scorer, settings), settings)
     return create_app(service, settings, ReportingLimit(settings.max_queue))
 
 

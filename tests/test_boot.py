@@ -11,6 +11,7 @@ from semif_serve.boot import StartupError, TorchScorer, build_engine, missing_fa
 from semif_serve.engine import Engine
 from semif_serve.http import create_app
 from semif_serve.runtime.service import DecisionService
+from semif_serve.server import build_runtime
 
 
 def loader(scoring_model, fake=None, seen=None):
@@ -31,13 +32,15 @@ def gpu_settings(**overrides):
 def test_a_cuda_device_with_a_listed_arch_warms_up_and_records_the_baseline(tiny_qwen):
     fake = FakeTorch(capability=(9, 0), arch_list=["sm_80", "sm_90"])
     fake.cuda.reserved = 3 * GIB
-    engine = build_engine(gpu_settings(), fake, loader(tiny_qwen))
+    engine = build_engine(gpu_settings(), torch_module=fake, load=loader(tiny_qwen))
     assert engine.baseline_reserved == 3 * GIB
 
 
 def test_no_cuda_device_refuses_to_start_and_names_the_cpu_escape(tiny_qwen):
     with pytest.raises(StartupError, match="torch sees no CUDA device; set SEMIF_DEVICE=cpu"):
-        build_engine(gpu_settings(), FakeTorch(available=False), loader(tiny_qwen))
+        build_engine(
+            gpu_settings(), torch_module=FakeTorch(available=False), load=loader(tiny_qwen)
+        )
 
 
 def test_a_card_missing_from_the_arch_list_refuses_to_start(tiny_qwen):
@@ -45,7 +48,7 @@ def test_a_card_missing_from_the_arch_list_refuses_to_start(tiny_qwen):
     with pytest.raises(
         StartupError, match="is sm_120, which this torch build has no kernels for .*sm_80, sm_90"
     ):
-        build_engine(gpu_settings(), fake, loader(tiny_qwen))
+        build_engine(gpu_settings(), torch_module=fake, load=loader(tiny_qwen))
 
 
 def test_the_cpu_is_used_only_when_asked_for_and_then_skips_the_gpu_checks(tiny_qwen):
@@ -56,7 +59,9 @@ def test_the_cpu_is_used_only_when_asked_for_and_then_skips_the_gpu_checks(tiny_
         def cuda(self):
             raise AssertionError("touched torch.cuda on the CPU")
 
-    engine = build_engine(settings(device="cpu", dtype="float32"), NoCuda(), loader(tiny_qwen))
+    engine = build_engine(
+        settings(device="cpu", dtype="float32"), torch_module=NoCuda(), load=loader(tiny_qwen)
+    )
     assert engine.baseline_reserved is None
     from semif_serve.config import Settings
 
@@ -66,37 +71,43 @@ def test_the_cpu_is_used_only_when_asked_for_and_then_skips_the_gpu_checks(tiny_
 def test_the_vram_cap_is_set_before_the_model_loads(tiny_qwen):
     fake = FakeTorch(total=80 * GIB)
     seen = []
-    build_engine(gpu_settings(vram_cap_gib=20.0), fake, loader(tiny_qwen, fake, seen))
+    build_engine(
+        gpu_settings(vram_cap_gib=20.0), torch_module=fake, load=loader(tiny_qwen, fake, seen)
+    )
     assert seen == [0.25]
 
 
 def test_no_cap_sets_no_fraction_and_a_cap_over_the_card_refuses_to_start(tiny_qwen):
     fake = FakeTorch(total=80 * GIB)
-    build_engine(gpu_settings(), fake, loader(tiny_qwen))
+    build_engine(gpu_settings(), torch_module=fake, load=loader(tiny_qwen))
     assert fake.cuda.fraction is None
     with pytest.raises(
         StartupError, match="SEMIF_VRAM_CAP_GIB=81.0 is more than the card's 80.0 GiB"
     ):
-        build_engine(gpu_settings(vram_cap_gib=81.0), fake, loader(tiny_qwen))
+        build_engine(gpu_settings(vram_cap_gib=81.0), torch_module=fake, load=loader(tiny_qwen))
 
 
 def test_a_failing_warm_up_stops_startup(tiny_qwen):
     broken = type(tiny_qwen)(model=None, tokenizer=tiny_qwen.tokenizer, info=tiny_qwen.info)
     with pytest.raises(StartupError, match="the warm-up decision failed"):
-        build_engine(gpu_settings(), FakeTorch(), loader(broken))
+        build_engine(gpu_settings(), torch_module=FakeTorch(), load=loader(broken))
 
 
 def test_a_load_failure_stops_startup():
     def load(*args, **kwargs):
         raise OSError("no weights here")
 
-    with pytest.raises(StartupError, match="cannot load SEMIF_MODEL=.*no weights here"):
-        build_engine(gpu_settings(), FakeTorch(), load)
+    with pytest.raises(StartupError, match="cannot load model 'default' .*no weights here"):
+        build_engine(gpu_settings(), torch_module=FakeTorch(), load=load)
 
 
 def test_missing_fast_kernels_fail_closed_naming_the_packages(tiny_qwen):
     with pytest.raises(StartupError, match="flash-linear-attention, causal-conv1d not usable"):
-        build_engine(gpu_settings(require_fast_kernels=True), FakeTorch(), loader(tiny_qwen))
+        build_engine(
+            gpu_settings(require_fast_kernels=True),
+            torch_module=FakeTorch(),
+            load=loader(tiny_qwen),
+        )
 
 
 def test_fast_kernels_matter_only_for_linear_attention_models(tiny_qwen, smollm2):
@@ -130,8 +141,11 @@ def test_an_injected_oom_on_the_real_cpu_engine_is_503_and_the_next_request_succ
     smollm2, monkeypatch
 ):
     config = settings(device="cpu", dtype="float32")
-    engine = Engine(TorchScorer(smollm2, config.max_tokens), device="cpu", torch_module=torch)
-    api = testing.TestClient(create_app(DecisionService(engine, config), config))
+    runtime = build_runtime(
+        config, lambda spec: Engine(TorchScorer(smollm2, config.max_tokens), torch_module=torch)
+    )
+    runtime.start(idle_interval_s=None)
+    api = testing.TestClient(create_app(DecisionService(runtime, config), config))
     real_forward = smollm2.model.forward
     calls = []
 

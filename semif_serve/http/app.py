@@ -7,6 +7,7 @@ from typing import Any
 import falcon
 
 from semif_serve.http.errors import handle_error
+from semif_serve.http.management import BulkUnload, Model, Models, ModelUnload
 from semif_serve.http.middleware import Admission, BearerAuth, RequestLog
 from semif_serve.http.resources import Decide, DecideShared, Health
 from semif_serve.runtime.admission import InFlightLimit
@@ -18,10 +19,17 @@ def create_app(
 ) -> falcon.App:
     """The app; `in_flight` defaults to a fresh SEMIF_MAX_QUEUE limit (tests pass their own)."""
     admission = Admission(in_flight or InFlightLimit(settings.max_queue))
-    app = falcon.App(middleware=[RequestLog(), BearerAuth(settings.api_token), admission])
+    auth = BearerAuth(settings.api_token, settings.admin_token)
+    app = falcon.App(middleware=[RequestLog(), auth, admission])
+    limit = settings.max_body_bytes
     app.add_route("/health", Health(service))
-    app.add_route("/decide", Decide(service, settings.max_body_bytes))
-    app.add_route("/decide/shared", DecideShared(service, settings.max_body_bytes))
+    app.add_route("/decide", Decide(service, limit))
+    app.add_route("/decide/shared", DecideShared(service, limit))
+    runtime = service.runtime
+    app.add_route("/v1/models", Models(runtime, limit))
+    app.add_route("/v1/models/unload", BulkUnload(runtime, limit))
+    app.add_route("/v1/models/{model_id}", Model(runtime, limit))
+    app.add_route("/v1/models/{model_id}/unload", ModelUnload(runtime, limit))
     app.add_error_handler(Exception, handle_error)
     app.add_error_handler(falcon.HTTPError, handle_error)
     return app

@@ -8,9 +8,14 @@ import logging
 import falcon
 
 from semif_serve.errors import (
+    BadManagementRequest,
     BadRequest,
+    Forbidden,
+    InsufficientMemory,
     InvalidRequest,
+    ModelNotFound,
     OutOfMemory,
+    QueueTimedOut,
     RequestTooLarge,
     ScoringFailed,
     ServerBusy,
@@ -21,6 +26,11 @@ log = logging.getLogger(__name__)
 
 STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     BadRequest: (400, "bad_request"),
+    BadManagementRequest: (400, "invalid_request"),
+    Forbidden: (403, "forbidden"),
+    ModelNotFound: (404, "model_not_found"),
+    QueueTimedOut: (503, "server_busy"),
+    InsufficientMemory: (503, "insufficient_memory"),
     Unauthorized: (401, "unauthorized"),
     RequestTooLarge: (413, "request_too_large"),
     InvalidRequest: (422, "invalid_request"),
@@ -39,6 +49,8 @@ FALCON_CODES = {
 EXTRA_HEADERS: dict[type[Exception], dict[str, str]] = {
     Unauthorized: {"WWW-Authenticate": "Bearer"},
     ServerBusy: {"Retry-After": "1"},
+    QueueTimedOut: {"Retry-After": "1"},
+    InsufficientMemory: {"Retry-After": "5"},
     OutOfMemory: {"Retry-After": "1"},
 }
 

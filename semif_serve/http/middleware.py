@@ -45,19 +45,27 @@ class RequestLog:
 
 
 class BearerAuth:
-    """Every route except GET /health needs `Authorization: Bearer <token>` (INV-6)."""
+    """Every route except GET /health needs `Authorization: Bearer <token>` (INV-6): the API
+    token or, when configured, the admin token; `req.context.admin` says which."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, admin_token: str | None = None):
         self._token = token.encode("ascii")
+        self._admin_token = admin_token.encode("ascii") if admin_token else None
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         if (req.method, req.path) in PUBLIC_ROUTES:
             return
         scheme, _, given = (req.get_header("Authorization") or "").partition(" ")
-        # Constant-time compare; WSGI headers are latin-1 strings, so any header encodes.
+        # Constant-time compares; WSGI headers are latin-1 strings, so any header encodes.
         presented = given.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self._token):
+        is_bearer = scheme.lower() == "bearer"
+        is_user = hmac.compare_digest(presented, self._token)
+        is_admin = self._admin_token is not None and hmac.compare_digest(
+            presented, self._admin_token
+        )
+        if not is_bearer or not (is_user or is_admin):
             raise Unauthorized("missing or wrong bearer token")
+        req.context.admin = is_admin
 
 
 class Admission:
@@ -67,7 +75,7 @@ class Admission:
         self.limit = limit
 
     def process_resource(self, req, resp, resource, params) -> None:
-        if req.method == "POST" and resource is not None:
+        if req.method == "POST" and getattr(resource, "admitted", False):
             self.limit.acquire()
             req.context.admitted = True
 

@@ -29,6 +29,8 @@ class Health:
 
 
 class _Scoring:
+    admitted = True  # counts toward SEMIF_MAX_QUEUE (see middleware.Admission)
+
     def __init__(self, service: DecisionService, max_body_bytes: int):
         self._service = service
         self._max_body_bytes = max_body_bytes

@@ -1,10 +1,11 @@
 """`DecisionService`: request bodies → SemIf rows → ONE engine call → response bodies.
 
 It checks the request shape and limits, expands order-averaged decisions into one row per
-ordering, sends every row of a request to the engine in a single call (one `score` for a plain
-/decide, else one `score_shared`), and builds the reply: native results untouched (INV-1), plus
-`calibrated` or `combined` next to them. A scorer ValueError becomes `InvalidRequest` (422);
-any failure while building the reply becomes `ScoringFailed` (500, bug hunt C3).
+ordering, leases the requested model from the runtime (FIFO, within the queue timeout), sends
+every row of a request to its engine in a single call (one `score` for a plain /decide, else one
+`score_shared`), and builds the reply: native results untouched (INV-1), plus `calibrated` or
+`combined` next to them. A scorer ValueError becomes `InvalidRequest` (422); any failure while
+building the reply becomes `ScoringFailed` (500, bug hunt C3).
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from semif_serve.decisions import (
     calibrated,
     expand,
 )
-from semif_serve.engine import Engine
 from semif_serve.errors import InvalidRequest, ScoringFailed
+from semif_serve.runtime.registry import Runtime
 from semif_serve.scoring.rows import InvalidRow, Row, parse_row
 
 SEMIF_COMMIT = "23cf1f39fc9534fe81437200959b6dfc7106e45a"
 ROW_KEYS = ("id", "state", "question", "options")
-DECIDE_KEYS = frozenset({*ROW_KEYS, "workload", "orderings"})
-SHARED_KEYS = frozenset({"state", "decisions", "workload"})
+ROUTING_KEYS = ("model", "timeout_s")
+DECIDE_KEYS = frozenset({*ROW_KEYS, *ROUTING_KEYS, "workload", "orderings"})
+SHARED_KEYS = frozenset({*ROUTING_KEYS, "state", "decisions", "workload"})
 DECISION_KEYS = frozenset({"id", "question", "options", "orderings"})
 
 
@@ -49,16 +51,20 @@ class _Decision:
 
 
 class DecisionService:
-    def __init__(self, engine: Engine, settings: Any):
-        self._engine = engine
+    def __init__(self, runtime: Runtime, settings: Any):
+        self._runtime = runtime
         self._settings = settings
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
 
     def health(self) -> dict[str, Any]:
         settings = self._settings
         return {
             "status": "ok",
             "semif_commit": SEMIF_COMMIT,
-            "model": self._engine.model_info(),
+            "model": self._runtime.default_model_info(),
             "vram_cap_gib": settings.vram_cap_gib,
             "max_tokens": settings.max_tokens,
             "max_decisions": settings.max_decisions,
@@ -70,11 +76,14 @@ class DecisionService:
         workload = self._workload(body)
         decision = _decision(body, "")
         _check_workload_without_orderings(workload, [decision])
+        route = _routing(body)
         if decision.mode == "none":
-            result = _scored(lambda: self._engine.score(decision.rows[0]), [decision])
+            row = decision.rows[0]
+            result = self._scored(route, lambda engine: engine.score(row), [decision])
             return Outcome(_building(lambda: self._with_calibration(result, workload)), 1)
         self._check_row_count([decision])
-        results, _timing = _scored(lambda: self._engine.score_shared(decision.rows), [decision])
+        rows = decision.rows
+        results, _ = self._scored(route, lambda engine: engine.score_shared(rows), [decision])
         return Outcome(_building(lambda: _assemble([decision], results)[0]), len(results))
 
     def decide_shared(self, body: dict[str, Any]) -> Outcome:
@@ -98,8 +107,9 @@ class DecisionService:
         _check_workload_without_orderings(workload, decisions)
         self._check_row_count(decisions)
         _check_unique_ids(decisions)
+        route = _routing(body)
         rows = [row for decision in decisions for row in decision.rows]
-        results, timing = _scored(lambda: self._engine.score_shared(rows), decisions)
+        results, timing = self._scored(route, lambda engine: engine.score_shared(rows), decisions)
 
         def reply() -> dict[str, Any]:
             built = _assemble(decisions, results)
@@ -109,6 +119,17 @@ class DecisionService:
             }
 
         return Outcome(_building(reply), len(rows))
+
+    def _scored(
+        self, route: tuple[str | None, float | None], call: Callable[[Any], Any], decisions
+    ) -> Any:
+        """Lease the model, run the engine call; a scorer ValueError names its decision."""
+        model_id, timeout_s = route
+        with self._runtime.lease(model_id, timeout_s) as engine:
+            try:
+                return call(engine)
+            except ValueError as error:
+                raise InvalidRequest(_locate(error, decisions)) from None
 
     def _workload(self, body: dict[str, Any]) -> str | None:
         workload = body.get("workload")
@@ -191,12 +212,17 @@ def _check_unique_ids(decisions: list[_Decision]) -> None:
             owners[row.id] = decision.field.rstrip(".")
 
 
-def _scored(call: Callable[[], Any], decisions: list[_Decision]) -> Any:
-    """Run the engine call; a scorer ValueError is the request's fault and names its decision."""
-    try:
-        return call()
-    except ValueError as error:
-        raise InvalidRequest(_locate(error, decisions)) from None
+def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
+    """The optional `model` id and `timeout_s` (which may only lower the queue timeout)."""
+    model_id = body.get("model")
+    if model_id is not None and not isinstance(model_id, str):
+        raise InvalidRequest("model: must be a model id string")
+    timeout_s = body.get("timeout_s")
+    if timeout_s is not None:
+        valid = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+        if not valid or not 0 < timeout_s < float("inf"):
+            raise InvalidRequest("timeout_s: must be a number of seconds > 0")
+    return model_id, timeout_s
 
 
 def _locate(error: ValueError, decisions: list[_Decision]) -> str:

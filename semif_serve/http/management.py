@@ -1,0 +1,61 @@
+"""Model management over HTTP: list (any valid token), register/reconfigure and unload (admin)."""
+
+from __future__ import annotations
+
+import falcon
+
+from semif_serve.errors import Forbidden, InvalidRequest
+from semif_serve.http.body import read_json_object
+from semif_serve.http.resources import send_json
+from semif_serve.runtime.registry import Runtime
+
+
+def require_admin(req: falcon.Request) -> None:
+    if not req.context.get("admin"):
+        raise Forbidden("model management needs the admin token (SEMIF_ADMIN_TOKEN)")
+
+
+class _Management:
+    def __init__(self, runtime: Runtime, max_body_bytes: int):
+        self._runtime = runtime
+        self._max_body_bytes = max_body_bytes
+
+
+class Models(_Management):
+    """GET /v1/models: every registered model's state; reserves nothing, resets no timer."""
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        send_json(resp, {"models": self._runtime.status()})
+
+
+class Model(_Management):
+    """PUT /v1/models/{id}: register a new model or reconfigure one, then load it."""
+
+    def on_put(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        require_admin(req)
+        table = read_json_object(req.env, self._max_body_bytes)
+        send_json(resp, self._runtime.register(model_id, table))
+
+
+class ModelUnload(_Management):
+    """POST /v1/models/{id}/unload: idempotent; 200 {id, loaded: false}."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        require_admin(req)
+        send_json(resp, self._runtime.unload(model_id))
+
+
+class BulkUnload(_Management):
+    """POST /v1/models/unload {"ids": [...]}: 200 {unloaded: [...], not_found: [...]}."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        require_admin(req)
+        body = read_json_object(req.env, self._max_body_bytes)
+        ids = body.get("ids")
+        if (
+            set(body) != {"ids"}
+            or not isinstance(ids, list)
+            or not all(isinstance(i, str) for i in ids)
+        ):
+            raise InvalidRequest('body: must be {"ids": [model id, ...]}')
+        send_json(resp, self._runtime.bulk_unload(ids))

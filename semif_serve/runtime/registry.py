@@ -1,0 +1,270 @@
+"""`Runtime`: the registry of models and the one owner of every lifecycle transition.
+
+Requests ask it for a lease on a model (`lease`); management asks it to register, reconfigure
+or unload; residency (SEMIF_MAX_LOADED_MODELS) evicts idle, queue-free models least recently
+used first; a background thread retires models idle past their keep_alive_s. The registry lock
+only guards the id → entry map and is never held while anything waits, loads or tears down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from semif_serve.errors import (
+    BadManagementRequest,
+    InsufficientMemory,
+    ModelNotFound,
+    QueueTimedOut,
+    ScoringFailed,
+)
+from semif_serve.runtime.entry import (
+    LOADING,
+    READY,
+    RECONFIGURING,
+    UNLOADED,
+    ModelEntry,
+    QueueTimeout,
+)
+from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
+
+log = logging.getLogger(__name__)
+IDLE_CHECK_INTERVAL_S = 1.0
+
+
+class Runtime:
+    def __init__(
+        self,
+        settings: Any,
+        engine_factory: Callable[[ModelSpec], Any],
+        specs: list[ModelSpec],
+        default_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._settings = settings
+        self._factory = engine_factory
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._bulk_publication = threading.Lock()
+        self._entries = {spec.id: ModelEntry(spec, clock) for spec in specs}
+        self.default_id = default_id
+        self._stop = threading.Event()
+        self._idle_thread: threading.Thread | None = None
+
+    # -- startup and shutdown -------------------------------------------------------------------
+
+    def start(self, idle_interval_s: float | None = IDLE_CHECK_INTERVAL_S) -> None:
+        """Load every load_on_startup model (a failure stops startup), then start retirement
+        (checked every `idle_interval_s`; None: no retirement thread, for tests)."""
+        for entry in list(self._entries.values()):
+            if entry.spec.load_on_startup:
+                entry.manage(self._load_alone, timeout=None)
+        if idle_interval_s is None:
+            return
+        self._idle_thread = threading.Thread(
+            target=self._retire_idle_loop, args=(idle_interval_s,), name="semif-idle", daemon=True
+        )
+        self._idle_thread.start()
+
+    def close(self) -> None:
+        """Stop retirement, join it, then unload every model (after requests have drained)."""
+        self._stop.set()
+        if self._idle_thread is not None:
+            self._idle_thread.join()
+        for entry in self._snapshot():
+            entry.manage(self._unload_alone, timeout=None)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    @contextmanager
+    def lease(self, model_id: str | None, timeout_s: float | None = None) -> Iterator[Any]:
+        """The model's engine for one request, admitted in FIFO order within the queue timeout."""
+        entry = self.entry(model_id)
+        try:
+            engine = entry.acquire(self.queue_timeout(timeout_s), self._load_admitted)
+        except QueueTimeout as error:
+            raise QueueTimedOut(str(error)) from None
+        try:
+            yield engine
+        finally:
+            entry.release()
+
+    def queue_timeout(self, requested: float | None) -> float | None:
+        """SEMIF_QUEUE_TIMEOUT_S (0: unbounded); a request may only lower it."""
+        configured = self._settings.queue_timeout_s or None
+        if requested is None:
+            return configured
+        return requested if configured is None else min(requested, configured)
+
+    def entry(self, model_id: str | None) -> ModelEntry:
+        with self._lock:
+            entry = self._entries.get(model_id or self.default_id)
+        if entry is None:
+            raise ModelNotFound(f"model {model_id!r} is not registered")
+        return entry
+
+    def default_model_info(self) -> dict[str, Any]:
+        """The default model as loaded (its engine's own account), else as configured."""
+        entry = self.entry(None)
+        engine, spec = entry.engine, entry.spec
+        if engine is not None:
+            return engine.model_info()
+        return {
+            "source": spec.source,
+            "revision": spec.revision,
+            "dtype": spec.dtype,
+            "device": spec.device,
+        }
+
+    # -- management -----------------------------------------------------------------------------
+
+    def status(self) -> list[dict[str, Any]]:
+        return [entry.status() for entry in self._snapshot()]
+
+    def register(self, model_id: str, table: dict[str, Any]) -> dict[str, Any]:
+        """Register a new model or reconfigure one, then load it; 200 with its status."""
+        try:
+            spec = parse_spec(model_id, table, self._settings)
+        except SpecError as error:
+            raise BadManagementRequest(str(error)) from None
+        with self._lock:
+            entry = self._entries.get(model_id)
+            if entry is None:  # published once, unloaded, before its first load
+                entry = self._entries[model_id] = ModelEntry(spec, self._clock)
+        entry.manage(lambda held: self._reconfigure(held, spec), self.queue_timeout(None))
+        return entry.status()
+
+    def unload(self, model_id: str) -> dict[str, Any]:
+        entry = self.entry(model_id)
+        self._managed(entry, self._unload_alone)
+        return {"id": model_id, "loaded": False}
+
+    def bulk_unload(self, model_ids: list[str]) -> dict[str, Any]:
+        """Publish every barrier first, then wait; idle models are freed without waiting."""
+        with self._lock:
+            selected = {i: self._entries[i] for i in dict.fromkeys(model_ids) if i in self._entries}
+        not_found = [i for i in dict.fromkeys(model_ids) if i not in selected]
+        with self._bulk_publication:
+            waiters = {i: entry.enqueue_manager() for i, entry in selected.items()}
+        errors: list[BaseException] = []
+
+        def unload(model_id: str) -> None:
+            try:
+                selected[model_id].run_managed(waiters[model_id], self._unload_alone, timeout=None)
+            except BaseException as error:  # reported after every selection was handled
+                errors.append(error)
+
+        threads = [threading.Thread(target=unload, args=(i,)) for i in selected]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return {"unloaded": list(selected), "not_found": not_found}
+
+    def _managed(self, entry: ModelEntry, operation: Callable[[ModelEntry], Any]) -> Any:
+        try:
+            return entry.manage(operation, self.queue_timeout(None))
+        except QueueTimeout as error:
+            raise QueueTimedOut(str(error)) from None
+
+    # -- transitions (the caller holds the model alone, or is its admitted loader) -------------
+
+    def _reconfigure(self, entry: ModelEntry, spec: ModelSpec) -> None:
+        if (
+            entry.capacity is not None
+            and spec.slots > entry.capacity
+            and spec.source == entry.spec.source
+        ):
+            raise BadManagementRequest(
+                f"{spec.id}.slots: {spec.slots} is more than the {entry.capacity} this model "
+                "supports; the current configuration keeps serving"
+            )
+        was_loaded = entry.state == READY
+        if was_loaded:
+            entry.set_state(RECONFIGURING)
+            self._teardown(entry.retire())
+        entry.replace_spec(spec)  # committed: a load failure from here leaves it unloaded
+        entry.set_state(UNLOADED)
+        self._load_alone(entry)
+
+    def _load_alone(self, entry: ModelEntry) -> None:
+        if entry.state == READY:
+            return
+        entry.set_state(LOADING)
+        try:
+            self._load_admitted(entry)
+        except BaseException:
+            entry.set_state(UNLOADED)
+            raise
+
+    def _load_admitted(self, entry: ModelEntry) -> None:
+        """Make room, build the engine privately, check its capacity, then publish it whole."""
+        self._make_room(entry)
+        spec = entry.spec
+        try:
+            engine = self._factory(spec)
+        except (InsufficientMemory, BadManagementRequest):
+            raise
+        except Exception as error:
+            log.error("loading model %s failed: %s", spec.id, error)
+            raise ScoringFailed(f"loading model {spec.id!r} failed: {error}") from None
+        capacity = getattr(engine, "max_parallel_slots", None)
+        if capacity is not None and spec.slots > capacity:
+            self._teardown(engine)
+            raise BadManagementRequest(
+                f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model supports"
+            )
+        entry.publish(engine, capacity)
+
+    def _unload_alone(self, entry: ModelEntry) -> None:
+        self._teardown(entry.retire())
+        entry.set_state(UNLOADED)
+
+    def _teardown(self, engine: Any) -> None:
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
+
+    # -- residency --------------------------------------------------------------------------------
+
+    def _make_room(self, loading: ModelEntry) -> None:
+        """Below SEMIF_MAX_LOADED_MODELS, or evict idle models least recently used first."""
+        limit = self._settings.max_loaded_models
+        if limit is None:
+            return
+        while True:
+            others = [e for e in self._snapshot() if e is not loading]
+            if sum(1 for e in others if e.state != UNLOADED) < limit:
+                return
+            victims = sorted((e for e in others if e.is_idle), key=lambda e: e.last_used or 0.0)
+            if not any(victim.try_manage(self._unload_alone) for victim in victims):
+                raise InsufficientMemory(
+                    f"{limit} models are loaded (SEMIF_MAX_LOADED_MODELS) and none is idle; "
+                    "retry later"
+                )
+
+    def _retire_idle_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.retire_idle()
+
+    def retire_idle(self) -> list[str]:
+        """Unload every idle model past its keep_alive_s; returns their ids."""
+        now = self._clock()
+        retired = []
+        for entry in self._snapshot():
+            keep_alive = entry.spec.keep_alive_s
+            last_used = entry.last_used
+            if keep_alive is None or last_used is None or now - last_used < keep_alive:
+                continue
+            if entry.try_manage(self._unload_alone):
+                retired.append(entry.spec.id)
+        return retired
+
+    def _snapshot(self) -> list[ModelEntry]:
+        with self._lock:
+            return list(self._entries.values())
