@@ -1,0 +1,153 @@
+"""A controllable engine factory and helpers for the runtime's ordering tests.
+
+Every wait is bounded by WAIT_S. Gates are threading.Events the test opens; the factory records
+what it built and tore down, in order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+from fakes import WAIT_S, FakeScorer, settings
+
+from semif_serve.engine import Engine
+from semif_serve.runtime.registry import Runtime
+from semif_serve.runtime.specs import ModelSpec
+
+
+class GatedEngine(Engine):
+    """An engine whose calls can be held at a gate, and whose close() is recorded."""
+
+    def __init__(self, factory, spec):
+        self.scorer = FakeScorer(block=True)
+        self.scorer.release.set()
+        super().__init__(self.scorer, concurrency=spec.slots, max_parallel_slots=factory.capacity)
+        self.factory, self.spec = factory, spec
+
+    def close(self):
+        self.factory.events.append(("close", self.spec.id))
+        super().close()
+
+
+class Factory:
+    def __init__(self, capacity=16):
+        self.capacity = capacity
+        self.events: list[tuple[str, str]] = []
+        self.load_gate: threading.Event | None = None  # set: loads wait for it
+        self.load_started = threading.Event()
+        self.fail_next_load: Exception | None = None
+        self.engines: dict[str, GatedEngine] = {}
+
+    def __call__(self, spec: ModelSpec) -> GatedEngine:
+        self.events.append(("load", spec.id))
+        self.load_started.set()
+        if self.load_gate is not None:
+            assert self.load_gate.wait(WAIT_S), "test never opened the load gate"
+        if self.fail_next_load is not None:
+            error, self.fail_next_load = self.fail_next_load, None
+            raise error
+        engine = self.engines[spec.id] = GatedEngine(self, spec)
+        return engine
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def spec(model_id="a", slots=1, keep_alive_s=None, load_on_startup=False, source=None):
+    return ModelSpec(
+        id=model_id,
+        source=source or f"test:{model_id}",
+        revision=None,
+        dtype="float32",
+        device="cpu",
+        max_tokens=4096,
+        slots=slots,
+        keep_alive_s=keep_alive_s,
+        load_on_startup=load_on_startup,
+    )
+
+
+def runtime(*specs, factory=None, clock=None, **overrides):
+    overrides.setdefault("parallel_slots", 4)
+    config = settings(**overrides)
+    specs = specs or (spec(),)
+    built = Runtime(config, factory or Factory(), list(specs), specs[0].id, clock or time.monotonic)
+    built.start(idle_interval_s=None)
+    return built
+
+
+class Held:
+    """A request holding a lease in its own thread until `finish()`."""
+
+    def __init__(self, rt: Runtime, model_id: str | None = None, timeout_s=None):
+        self.admitted = threading.Event()
+        self.done = threading.Event()
+        self._finish = threading.Event()
+        self.error: BaseException | None = None
+        self.engine = None
+        self.thread = threading.Thread(target=self._run, args=(rt, model_id, timeout_s))
+        self.thread.start()
+
+    def _run(self, rt, model_id, timeout_s):
+        try:
+            with rt.lease(model_id, timeout_s) as engine:
+                self.engine = engine
+                self.admitted.set()
+                assert self._finish.wait(WAIT_S), "test never finished the held request"
+        except BaseException as error:  # reported to the test
+            self.error = error
+        finally:
+            self.done.set()
+
+    def finish(self):
+        self._finish.set()
+        assert self.done.wait(WAIT_S)
+        self.thread.join(WAIT_S)
+        return self
+
+
+class Background:
+    """Any call in its own thread; `result()` waits (bounded) and re-raises."""
+
+    def __init__(self, call):
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(call,))
+        self.thread.start()
+
+    def _run(self, call):
+        try:
+            self.value = call()
+        except BaseException as error:
+            self.error = error
+        finally:
+            self.done.set()
+
+    def result(self):
+        assert self.done.wait(WAIT_S), "background call did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def wait_until(predicate, timeout=WAIT_S):
+    """Bounded wait for a state the code under test publishes (queue length, state)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.002)
+
+
+@contextmanager
+def not_before(event: threading.Event, what: str, grace: float = 0.2):
+    """Assert `event` does not happen while the block's precondition holds (bounded)."""
+    yield
+    assert not event.wait(grace), what

@@ -1,0 +1,326 @@
+"""The model runtime's lifecycle and orderings (behaviour contract T1..T16), with fake engines."""
+
+import pytest
+from fakes import WAIT_S
+from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wait_until
+
+from semif_serve.errors import (
+    BadManagementRequest,
+    InsufficientMemory,
+    ModelNotFound,
+    QueueTimedOut,
+    ScoringFailed,
+)
+
+
+def queued(rt, model_id="a"):
+    return len(rt.entry(model_id)._queue)
+
+
+# --- T1: cold load and the happy path -------------------------------------------------------------
+
+
+def test_the_first_request_loads_an_unloaded_model_and_later_ones_reuse_it():
+    factory = Factory()
+    rt = runtime(spec("a", slots=2), factory=factory)
+    assert rt.entry("a").status()["state"] == "unloaded"
+    first = Held(rt, "a")
+    assert first.admitted.wait(WAIT_S)
+    assert rt.entry("a").status()["state"] == "ready"
+    first.finish()
+    Held(rt, "a").finish()
+    assert factory.events == [("load", "a")]
+
+
+def test_requests_admitted_during_a_load_wait_for_it_and_share_it():
+    factory = Factory()
+    factory.load_gate = __import__("threading").Event()
+    rt = runtime(spec("a", slots=2), factory=factory)
+    first, second = Held(rt, "a"), None
+    assert factory.load_started.wait(WAIT_S)
+    second = Held(rt, "a")
+    wait_until(lambda: rt.entry("a").status()["active_slots"] == 2)
+    assert rt.entry("a").status()["state"] == "loading"
+    assert not first.admitted.is_set() and not second.admitted.is_set()
+    factory.load_gate.set()
+    assert first.admitted.wait(WAIT_S) and second.admitted.wait(WAIT_S)
+    assert first.engine is second.engine
+    first.finish(), second.finish()
+    assert factory.events == [("load", "a")]
+
+
+def test_a_failed_first_load_leaves_the_model_unloaded_and_the_next_request_retries():
+    factory = Factory()
+    factory.fail_next_load = OSError("weights missing")
+    rt = runtime(spec("a"), factory=factory)
+    failed = Held(rt, "a").finish()
+    assert isinstance(failed.error, ScoringFailed) and "weights missing" in str(failed.error)
+    assert rt.entry("a").status() | {"last_used": None} == rt.entry("a").status() | {
+        "state": "unloaded",
+        "loaded": False,
+        "active_slots": 0,
+        "last_used": None,
+    }
+    retry = Held(rt, "a")
+    assert retry.admitted.wait(WAIT_S)
+    retry.finish()
+    assert factory.events == [("load", "a"), ("load", "a")]
+
+
+# --- T3: FIFO, slots and the queue timeout ---------------------------------------------------------
+
+
+def test_spare_slots_admit_and_a_full_model_queues_in_arrival_order():
+    rt = runtime(spec("a", slots=2))
+    held = [Held(rt, "a"), Held(rt, "a")]
+    for request in held:
+        assert request.admitted.wait(WAIT_S)
+    waiting = []
+    for count in range(1, 4):
+        waiting.append(Held(rt, "a"))
+        wait_until(lambda expected=count: queued(rt) == expected)
+    assert rt.entry("a").status()["queued_requests"] == 3
+    assert not any(request.admitted.is_set() for request in waiting)
+    held[0].finish()
+    assert waiting[0].admitted.wait(WAIT_S)
+    assert not waiting[1].admitted.is_set() and not waiting[2].admitted.is_set()
+    held[1].finish()
+    assert waiting[1].admitted.wait(WAIT_S)
+    assert not waiting[2].admitted.is_set()
+    for request in waiting:
+        request.finish()
+    assert waiting[2].error is None
+
+
+def test_a_queued_request_past_its_timeout_gets_server_busy_and_leaves_the_queue():
+    rt = runtime(spec("a"), queue_timeout_s=0.05)
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    late = Held(rt, "a").finish()  # the timeout ends it; the holder still runs
+    assert isinstance(late.error, QueueTimedOut)
+    assert queued(rt) == 0
+    holder.finish()
+
+
+def test_a_request_may_only_lower_the_queue_timeout():
+    rt = runtime(spec("a"), queue_timeout_s=30)
+    assert rt.queue_timeout(0.5) == 0.5
+    assert rt.queue_timeout(100) == 30
+    assert rt.queue_timeout(None) == 30
+    assert runtime(spec("a"), queue_timeout_s=0).queue_timeout(None) is None  # 0: unbounded
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    assert isinstance(Held(rt, "a", timeout_s=0.05).finish().error, QueueTimedOut)
+    holder.finish()
+
+
+def test_an_unknown_model_is_not_found():
+    with pytest.raises(ModelNotFound, match="'nope'"):
+        with runtime(spec("a")).lease("nope"):
+            pass
+
+
+# --- T2 / T14: managers are barriers ---------------------------------------------------------------
+
+
+def test_a_manager_waits_for_earlier_requests_and_later_requests_cannot_barge_past_it():
+    factory = Factory()
+    rt = runtime(spec("a", slots=4), factory=factory)
+    earlier = Held(rt, "a")
+    assert earlier.admitted.wait(WAIT_S)
+    unload = Background(lambda: rt.unload("a"))
+    wait_until(lambda: queued(rt) == 1)
+    later = Held(rt, "a")  # three slots are free, but the manager is ahead
+    wait_until(lambda: queued(rt) == 2)
+    assert not unload.done.is_set() and not later.admitted.is_set()
+    earlier.finish()
+    assert unload.result() == {"id": "a", "loaded": False}
+    assert later.admitted.wait(WAIT_S)  # then reloads
+    later.finish()
+    assert factory.events == [("load", "a"), ("close", "a"), ("load", "a")]
+
+
+def test_unload_is_idempotent():
+    rt = runtime(spec("a"))
+    assert rt.unload("a") == {"id": "a", "loaded": False}
+    assert rt.unload("a") == {"id": "a", "loaded": False}
+    with pytest.raises(ModelNotFound):
+        rt.unload("b")
+
+
+# --- T4 / T9 / T12 / T16: registration and reconfiguration ----------------------------------------
+
+
+def test_registering_a_new_model_publishes_it_and_loads_it():
+    factory = Factory()
+    rt = runtime(spec("a"), factory=factory)
+    status = rt.register("b", {"source": "test:b", "device": "cpu", "slots": 2, "keep_alive_s": 30})
+    assert status["state"] == "ready" and status["slots"] == 2 and status["keep_alive_s"] == 30
+    assert [s["id"] for s in rt.status()] == ["a", "b"]
+
+
+def test_an_unsupported_slot_count_keeps_the_working_configuration():
+    factory = Factory(capacity=2)
+    rt = runtime(spec("a", slots=1), factory=factory)
+    rt.register("a", {"source": "test:a", "device": "cpu", "slots": 2})
+    engine = rt.entry("a").engine
+    with pytest.raises(BadManagementRequest, match="slots: 3 is more than the 2"):
+        rt.register("a", {"source": "test:a", "device": "cpu", "slots": 3})
+    assert rt.entry("a").engine is engine and rt.entry("a").spec.slots == 2
+    Held(rt, "a").finish()  # and it still serves
+
+
+def test_a_bad_spec_is_refused_before_anything_changes():
+    rt = runtime(spec("a"))
+    for table, message in [
+        ({"device": "cpu"}, "source: required"),
+        ({"source": "x", "slots": 17}, "slots: must be an integer 1..16"),
+        ({"source": "x", "colour": "red"}, "unknown keys"),
+    ]:
+        with pytest.raises(BadManagementRequest, match=message):
+            rt.register("a", table)
+    with pytest.raises(BadManagementRequest, match="model id"):
+        rt.register("unload", {"source": "x"})
+
+
+def test_a_load_failure_after_commit_leaves_the_new_config_registered_and_unloaded():
+    factory = Factory()
+    rt = runtime(spec("a"), factory=factory)
+    Held(rt, "a").finish()
+    factory.fail_next_load = RuntimeError("new weights broken")
+    with pytest.raises(ScoringFailed, match="new weights broken"):
+        rt.register("a", {"source": "test:a2", "device": "cpu"})
+    status = rt.entry("a").status()
+    assert status["state"] == "unloaded" and status["source"] == "test:a2"
+    Held(rt, "a").finish()  # the next request retries the load
+    assert rt.entry("a").status()["state"] == "ready"
+
+
+# --- T5 / T11: bulk unload --------------------------------------------------------------------------
+
+
+def test_bulk_unload_frees_idle_models_first_and_reports_unknown_ids():
+    factory = Factory()
+    rt = runtime(spec("a"), spec("b"), factory=factory)
+    Held(rt, "b").finish()
+    busy = Held(rt, "a")
+    assert busy.admitted.wait(WAIT_S)
+    bulk = Background(lambda: rt.bulk_unload(["a", "b", "zz", "a"]))
+    wait_until(lambda: ("close", "b") in factory.events)  # idle b goes without waiting for a
+    assert not bulk.done.is_set()
+    busy.finish()
+    assert bulk.result() == {"unloaded": ["a", "b"], "not_found": ["zz"]}
+    assert [s["state"] for s in rt.status()] == ["unloaded", "unloaded"]
+
+
+def test_overlapping_bulk_unloads_in_reverse_order_do_not_deadlock():
+    rt = runtime(spec("a"), spec("b"))
+    holders = [Held(rt, "a"), Held(rt, "b")]
+    for holder in holders:
+        assert holder.admitted.wait(WAIT_S)
+    first = Background(lambda: rt.bulk_unload(["a", "b"]))
+    second = Background(lambda: rt.bulk_unload(["b", "a"]))
+    wait_until(lambda: queued(rt, "a") == 2 and queued(rt, "b") == 2)
+    for holder in holders:
+        holder.finish()
+    assert first.result()["unloaded"] == ["a", "b"]
+    assert second.result()["unloaded"] == ["b", "a"]
+
+
+# --- T6: residency and idle retirement -------------------------------------------------------------
+
+
+def test_loading_past_the_limit_evicts_the_least_recently_used_idle_model():
+    factory, clock = Factory(), Clock()
+    rt = runtime(spec("a"), spec("b"), spec("c"), factory=factory, clock=clock, max_loaded_models=2)
+    Held(rt, "a").finish()
+    clock.now += 1
+    Held(rt, "b").finish()
+    clock.now += 1
+    Held(rt, "a").finish()  # a is now the most recently used
+    clock.now += 1
+    Held(rt, "c").finish()
+    assert ("close", "b") in factory.events and ("close", "a") not in factory.events
+    assert {s["id"]: s["loaded"] for s in rt.status()} == {"a": True, "b": False, "c": True}
+
+
+def test_busy_models_are_never_evicted_and_the_load_gets_insufficient_memory():
+    rt = runtime(spec("a"), spec("b"), max_loaded_models=1)
+    busy = Held(rt, "a")
+    assert busy.admitted.wait(WAIT_S)
+    refused = Held(rt, "b").finish()
+    assert isinstance(refused.error, InsufficientMemory)
+    assert rt.entry("b").status()["state"] == "unloaded"
+    busy.finish()
+    Held(rt, "b").finish()  # a is idle now, so it can go
+
+
+def test_idle_models_retire_after_keep_alive_and_status_resets_no_timer():
+    factory, clock = Factory(), Clock()
+    rt = runtime(spec("a", keep_alive_s=60), spec("b"), factory=factory, clock=clock)
+    Held(rt, "a").finish()
+    Held(rt, "b").finish()
+    clock.now += 59
+    rt.status()  # observing is not using
+    assert rt.retire_idle() == []
+    clock.now += 1
+    assert rt.retire_idle() == ["a"]  # b has no keep_alive_s: it stays
+    assert {s["id"]: s["loaded"] for s in rt.status()} == {"a": False, "b": True}
+
+
+def test_a_busy_model_is_not_retired_even_past_keep_alive():
+    clock = Clock()
+    rt = runtime(spec("a", keep_alive_s=1), clock=clock)
+    Held(rt, "a").finish()
+    busy = Held(rt, "a")
+    assert busy.admitted.wait(WAIT_S)
+    clock.now += 10
+    assert rt.retire_idle() == []
+    busy.finish()
+
+
+# --- T7 / T8: status and shutdown ------------------------------------------------------------------
+
+
+def test_status_reports_every_field_and_reserves_nothing():
+    rt = runtime(spec("a", slots=2))
+    [before] = rt.status()
+    assert before == {
+        "id": "a",
+        "state": "unloaded",
+        "loaded": False,
+        "slots": 2,
+        "active_slots": 0,
+        "queued_requests": 0,
+        "max_parallel_slots": None,
+        "source": "test:a",
+        "revision": None,
+        "keep_alive_s": None,
+        "last_used": None,
+    }
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    [during] = rt.status()
+    assert during["active_slots"] == 1 and during["max_parallel_slots"] == 16 and during["loaded"]
+    holder.finish()
+
+
+def test_close_stops_retirement_and_unloads_every_model():
+    factory = Factory()
+    rt = runtime(spec("a"), spec("b"), factory=factory)
+    rt.start(idle_interval_s=0.01)  # a retirement thread to join
+    Held(rt, "a").finish()
+    rt.close()
+    assert not rt._idle_thread.is_alive()
+    assert ("close", "a") in factory.events
+    assert [s["state"] for s in rt.status()] == ["unloaded", "unloaded"]
+
+
+def test_startup_loads_load_on_startup_models_and_fails_closed():
+    factory = Factory()
+    runtime(spec("a", load_on_startup=True), spec("b"), factory=factory)
+    assert factory.events == [("load", "a")]
+    factory = Factory()
+    factory.fail_next_load = OSError("no weights")
+    with pytest.raises(ScoringFailed, match="no weights"):
+        runtime(spec("a", load_on_startup=True), factory=factory)
