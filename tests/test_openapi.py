@@ -23,6 +23,7 @@ def test_the_documented_routes_are_the_apps_routes():
     }
     assert documented == {
         ("/health", "GET"),
+        ("/metrics", "GET"),
         ("/decide", "POST"),
         ("/decide/shared", "POST"),
         ("/v1/models", "GET"),

@@ -9,7 +9,8 @@ import falcon
 from semif_serve.http.errors import handle_error
 from semif_serve.http.management import BulkUnload, Model, Models, ModelUnload
 from semif_serve.http.middleware import Admission, BearerAuth, RequestLog
-from semif_serve.http.resources import Decide, DecideShared, Health
+from semif_serve.http.resources import Decide, DecideShared, Health, MetricsPage
+from semif_serve.metrics import Metrics
 from semif_serve.runtime.admission import InFlightLimit
 from semif_serve.runtime.service import DecisionService
 
@@ -19,13 +20,17 @@ def create_app(
 ) -> falcon.App:
     """The app; `in_flight` defaults to a fresh SEMIF_MAX_QUEUE limit (tests pass their own)."""
     admission = Admission(in_flight or InFlightLimit(settings.max_queue))
+    runtime = service.runtime
+    metrics = Metrics(runtime.status, lambda: admission.limit.in_flight)
+    runtime.on_event = metrics.model_event
     auth = BearerAuth(settings.api_token, settings.admin_token)
-    app = falcon.App(middleware=[RequestLog(), auth, admission])
+    literal = frozenset({"/health", "/metrics", "/decide", "/decide/shared", "/v1/models"})
+    app = falcon.App(middleware=[RequestLog(metrics, literal), auth, admission])
     limit = settings.max_body_bytes
     app.add_route("/health", Health(service))
     app.add_route("/decide", Decide(service, limit))
     app.add_route("/decide/shared", DecideShared(service, limit))
-    runtime = service.runtime
+    app.add_route("/metrics", MetricsPage(metrics))
     app.add_route("/v1/models", Models(runtime, limit))
     app.add_route("/v1/models/unload", BulkUnload(runtime, limit))
     app.add_route("/v1/models/{model_id}", Model(runtime, limit))

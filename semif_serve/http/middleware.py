@@ -12,15 +12,23 @@ from time import perf_counter
 import falcon
 
 from semif_serve.errors import Unauthorized
+from semif_serve.metrics import Metrics
 from semif_serve.runtime.admission import InFlightLimit
 
 access_log = logging.getLogger("semif_serve.access")
 CALLER_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII, bounded: safe to echo and log
-PUBLIC_ROUTES = {("GET", "/health")}
+PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/metrics")}
 
 
 class RequestLog:
-    """Gives every request an id (the caller's X-Request-Id when sane) and logs one JSON line."""
+    """Gives every request an id (the caller's X-Request-Id when sane), logs one JSON line and
+    counts it in the metrics."""
+
+    def __init__(
+        self, metrics: Metrics | None = None, literal_routes: frozenset[str] = frozenset()
+    ):
+        self._metrics = metrics
+        self._literal_routes = literal_routes  # label a request refused before routing (401)
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         given = req.get_header("X-Request-Id")
@@ -42,6 +50,13 @@ class RequestLog:
         if req.context.get("error_code"):
             record["error"] = req.context.error_code
         access_log.info(json.dumps(record))
+        if self._metrics is not None:
+            # Never a raw path as a label: an attacker could create unbounded label values.
+            route = req.uri_template or (
+                req.path if req.path in self._literal_routes else "unmatched"
+            )
+            seconds = record["duration_ms"] / 1000
+            self._metrics.observe_request(route, resp.status_code, seconds, record.get("error"))
 
 
 class BearerAuth:

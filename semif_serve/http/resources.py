@@ -8,6 +8,7 @@ import falcon
 
 from semif_serve.errors import ScoringFailed
 from semif_serve.http.body import read_json_object
+from semif_serve.metrics import CONTENT_TYPE, Metrics
 from semif_serve.runtime.service import DecisionService, Outcome
 
 
@@ -51,3 +52,14 @@ class Decide(_Scoring):
 class DecideShared(_Scoring):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._reply(req, resp, self._service.decide_shared(self._body(req)))
+
+
+class MetricsPage:
+    """GET /metrics: Prometheus text format, no token (like /health)."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.data = self._metrics.render()
+        resp.content_type = CONTENT_TYPE

@@ -54,6 +54,8 @@ class Runtime:
         self.default_id = default_id
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
+        # Told (model id, event) on load, load_failed, unload, evict and retire (the metrics).
+        self.on_event: Callable[[str, str], None] = lambda model_id, event: None
 
     # -- startup and shutdown -------------------------------------------------------------------
 
@@ -209,9 +211,10 @@ class Runtime:
         spec = entry.spec
         try:
             engine = self._factory(spec)
-        except (InsufficientMemory, BadManagementRequest):
-            raise
         except Exception as error:
+            self.on_event(spec.id, "load_failed")
+            if isinstance(error, (InsufficientMemory, BadManagementRequest)):
+                raise
             log.error("loading model %s failed: %s", spec.id, error)
             raise ScoringFailed(f"loading model {spec.id!r} failed: {error}") from None
         capacity = getattr(engine, "max_parallel_slots", None)
@@ -221,10 +224,14 @@ class Runtime:
                 f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model supports"
             )
         entry.publish(engine, capacity)
+        self.on_event(spec.id, "load")
 
-    def _unload_alone(self, entry: ModelEntry) -> None:
-        self._teardown(entry.retire())
+    def _unload_alone(self, entry: ModelEntry, event: str = "unload") -> None:
+        engine = entry.retire()
+        self._teardown(engine)
         entry.set_state(UNLOADED)
+        if engine is not None:
+            self.on_event(entry.spec.id, event)
 
     def _teardown(self, engine: Any) -> None:
         if engine is not None and hasattr(engine, "close"):
@@ -242,7 +249,8 @@ class Runtime:
             if sum(1 for e in others if e.state != UNLOADED) < limit:
                 return
             victims = sorted((e for e in others if e.is_idle), key=lambda e: e.last_used or 0.0)
-            if not any(victim.try_manage(self._unload_alone) for victim in victims):
+            evict = lambda victim: self._unload_alone(victim, "evict")  # noqa: E731
+            if not any(victim.try_manage(evict) for victim in victims):
                 raise InsufficientMemory(
                     f"{limit} models are loaded (SEMIF_MAX_LOADED_MODELS) and none is idle; "
                     "retry later"
@@ -261,7 +269,7 @@ class Runtime:
             last_used = entry.last_used
             if keep_alive is None or last_used is None or now - last_used < keep_alive:
                 continue
-            if entry.try_manage(self._unload_alone):
+            if entry.try_manage(lambda held: self._unload_alone(held, "retire")):
                 retired.append(entry.spec.id)
         return retired
 

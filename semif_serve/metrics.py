@@ -1,0 +1,97 @@
+"""Prometheus metrics for one server process: requests, rejections, latency, model lifecycle.
+
+Counters are fed by the HTTP middleware (requests) and by the runtime's event hook (loads,
+unloads, evictions, retirements); per-model gauges are read from the runtime at scrape time, so a
+scrape reserves nothing and resets no timer. Each app has its own registry (no global state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+STATES = ("unloaded", "loading", "ready", "reconfiguring", "unloading")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(
+        self, model_status: Callable[[], list[dict[str, Any]]], in_flight: Callable[[], int]
+    ):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "semif_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.rejections = Counter(
+            "semif_rejections",
+            "Requests refused, by error code",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "semif_request_seconds",
+            "Request duration in seconds",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.model_events = Counter(
+            "semif_model_events",
+            "Model lifecycle events (load, load_failed, unload, evict, retire)",
+            ["model", "event"],
+            registry=self.registry,
+        )
+        self.registry.register(_RuntimeCollector(model_status, in_flight))
+
+    def observe_request(self, route: str, status: int, seconds: float, error: str | None) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.latency.labels(route=route).observe(seconds)
+        if error is not None:
+            self.rejections.labels(reason=error).inc()
+
+    def model_event(self, model_id: str, event: str) -> None:
+        self.model_events.labels(model=model_id, event=event).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RuntimeCollector:
+    """Per-model gauges, read from the runtime's status at scrape time."""
+
+    def __init__(self, model_status, in_flight):
+        self._model_status = model_status
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = GaugeMetricFamily(
+            "semif_model_state", "1 for the model's current state", labels=["model", "state"]
+        )
+        queued = GaugeMetricFamily(
+            "semif_model_queued_requests", "Requests waiting for the model", labels=["model"]
+        )
+        active = GaugeMetricFamily("semif_model_active_slots", "Slots in use", labels=["model"])
+        for status in self._model_status():
+            for name in STATES:
+                state.add_metric([status["id"], name], 1.0 if status["state"] == name else 0.0)
+            queued.add_metric([status["id"]], status["queued_requests"])
+            active.add_metric([status["id"]], status["active_slots"])
+        yield state
+        yield queued
+        yield active
+        in_flight = GaugeMetricFamily(
+            "semif_requests_in_progress", "Scoring POSTs admitted (queued + scoring)"
+        )
+        in_flight.add_metric([], self._in_flight())
+        yield in_flight
+
+    def describe(self) -> list:
+        return []

@@ -1,0 +1,52 @@
+"""GET /metrics: Prometheus text with requests, rejections, latency and model lifecycle."""
+
+from fakes import AUTH, row, settings
+from falcon import testing
+from prometheus_client.parser import text_string_to_metric_families
+from runtime_fixtures import Factory, spec
+
+from semif_serve.http import create_app
+from semif_serve.runtime.registry import Runtime
+from semif_serve.runtime.service import DecisionService
+
+
+def scrape(api):
+    response = api.simulate_get("/metrics")  # no token needed
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_requests_rejections_model_states_and_events_are_exported():
+    config = settings(parallel_slots=1, max_loaded_models=1)
+    rt = Runtime(config, Factory(), [spec("a", load_on_startup=True), spec("b")], "a")
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    rt.start(idle_interval_s=None)
+    api.simulate_post("/decide", json=row(), headers=AUTH)
+    api.simulate_post("/decide", json=row())  # 401
+    api.simulate_post("/decide", json=row(model="b"), headers=AUTH)  # evicts a
+    samples = scrape(api)
+    assert samples[("semif_requests_total", (("route", "/decide"), ("status", "200")))] == 2
+    assert samples[("semif_requests_total", (("route", "/decide"), ("status", "401")))] == 1
+    assert samples[("semif_rejections_total", (("reason", "unauthorized"),))] == 1
+    assert samples[("semif_request_seconds_count", (("route", "/decide"),))] == 3
+    assert samples[("semif_model_state", (("model", "a"), ("state", "unloaded")))] == 1
+    assert samples[("semif_model_state", (("model", "b"), ("state", "ready")))] == 1
+    assert samples[("semif_model_events_total", (("event", "evict"), ("model", "a")))] == 1
+    assert samples[("semif_model_events_total", (("event", "load"), ("model", "b")))] == 1
+    assert samples[("semif_model_queued_requests", (("model", "b"),))] == 0
+    assert samples[("semif_requests_in_progress", ())] == 0
+
+
+def test_unknown_paths_share_one_label():
+    config = settings()
+    rt = Runtime(config, Factory(), [spec("a")], "a")
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    for path in ("/x1", "/x2", "/x3"):
+        api.simulate_get(path, headers=AUTH)
+    samples = scrape(api)
+    assert samples[("semif_requests_total", (("route", "unmatched"), ("status", "404")))] == 3
