@@ -1,5 +1,7 @@
 """The model runtime's lifecycle and orderings (behaviour contract T1..T16), with fake engines."""
 
+import threading
+
 import pytest
 from fakes import WAIT_S
 from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wait_until
@@ -34,7 +36,7 @@ def test_the_first_request_loads_an_unloaded_model_and_later_ones_reuse_it():
 
 def test_requests_admitted_during_a_load_wait_for_it_and_share_it():
     factory = Factory()
-    factory.load_gate = __import__("threading").Event()
+    factory.load_gate = threading.Event()
     rt = runtime(spec("a", slots=2), factory=factory)
     first, second = Held(rt, "a"), None
     assert factory.load_started.wait(WAIT_S)
@@ -324,3 +326,69 @@ def test_startup_loads_load_on_startup_models_and_fails_closed():
     factory.fail_next_load = OSError("no weights")
     with pytest.raises(ScoringFailed, match="no weights"):
         runtime(spec("a", load_on_startup=True), factory=factory)
+
+
+# --- more orderings: loads, two models, manager order ----------------------------------------------
+
+
+def test_an_unload_arriving_during_a_first_load_waits_for_it_then_unloads():
+    factory = Factory()
+    factory.load_gate = threading.Event()
+    rt = runtime(spec("a"), factory=factory)
+    loader = Held(rt, "a")
+    assert factory.load_started.wait(WAIT_S)
+    unload = Background(lambda: rt.unload("a"))
+    wait_until(lambda: queued(rt) == 1)
+    assert rt.entry("a").status()["state"] == "loading"  # never a partial pool
+    factory.load_gate.set()
+    assert loader.admitted.wait(WAIT_S)
+    assert not unload.done.is_set()
+    loader.finish()
+    assert unload.result() == {"id": "a", "loaded": False}
+    assert factory.events == [("load", "a"), ("close", "a")]
+
+
+def test_a_warm_model_serves_while_another_model_loads():
+    factory = Factory()
+    rt = runtime(spec("a", load_on_startup=True), spec("b"), factory=factory)
+    factory.load_gate = threading.Event()
+    cold = Held(rt, "b")
+    assert factory.load_started.wait(WAIT_S)
+    Held(rt, "a").finish()  # does not wait for b's load
+    assert rt.entry("b").status()["state"] == "loading"
+    factory.load_gate.set()
+    cold.finish()
+    assert cold.error is None
+
+
+def test_managers_on_one_model_run_in_arrival_order():
+    factory = Factory()
+    rt = runtime(spec("a", load_on_startup=True), factory=factory)
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    unload = Background(lambda: rt.unload("a"))
+    wait_until(lambda: queued(rt) == 1)
+    register = Background(lambda: rt.register("a", {"source": "test:a2", "device": "cpu"}))
+    wait_until(lambda: queued(rt) == 2)
+    holder.finish()
+    assert unload.result() == {"id": "a", "loaded": False}
+    assert register.result()["state"] == "ready"
+    assert factory.events == [("load", "a"), ("close", "a"), ("load", "a")]
+    assert rt.entry("a").spec.source == "test:a2"
+
+
+def test_a_request_queued_behind_a_reconfigure_binds_the_new_configuration():
+    factory = Factory()
+    rt = runtime(spec("a", load_on_startup=True), factory=factory)
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    old_engine = holder.engine
+    register = Background(lambda: rt.register("a", {"source": "test:new", "device": "cpu"}))
+    wait_until(lambda: queued(rt) == 1)
+    later = Held(rt, "a")
+    wait_until(lambda: queued(rt) == 2)
+    holder.finish()
+    register.result()
+    assert later.admitted.wait(WAIT_S)
+    assert later.engine is not old_engine and later.engine.spec.source == "test:new"
+    later.finish()
