@@ -102,3 +102,30 @@ def test_serve_without_a_token_prints_a_curl_command_that_returns_a_decision(
         assert (
             reply["option_ids"] == ["yes", "no"] and reply["prompt_version"] == "direct-options-v1"
         )
+
+
+def test_two_real_models_behind_one_server(tmp_path, builtin_cache, smollm2):
+    from test_loading import save_tiny
+
+    tiny_folder = tmp_path / "tiny"
+    save_tiny(tiny_folder)
+    models = tmp_path / "models.toml"
+    models.write_text(
+        f'[smol]\nsource = "builtin:smollm2-135m"\ndefault = true\n\n'
+        f'[tiny]\nsource = "{tiny_folder}"\nkeep_alive_s = 600\n'
+    )
+    admin = {"Authorization": "Bearer " + "a" * 40}
+    env = real_env(builtin_cache, SEMIF_MODELS_FILE=str(models), SEMIF_ADMIN_TOKEN="a" * 40)
+    with LiveServer(semif_serve_command(), env, tmp_path / "server.log") as server:
+        status, listing, _ = server.request("GET", "/v1/models", headers=AUTH)
+        assert [(m["id"], m["state"]) for m in listing["models"]] == [
+            ("smol", "ready"),
+            ("tiny", "unloaded"),
+        ]
+        status, smol, _ = server.request("POST", "/decide", row(), AUTH)
+        assert status == 200 and smol["model"]["source"] == "builtin:smollm2-135m"
+        status, tiny, _ = server.request("POST", "/decide", row(model="tiny"), AUTH)
+        assert status == 200 and tiny["model"]["source"] == str(tiny_folder)
+        status, unloaded, _ = server.request("POST", "/v1/models/tiny/unload", headers=admin)
+        assert status == 200 and unloaded == {"id": "tiny", "loaded": False}
+        assert server.request("POST", "/v1/models/tiny/unload", headers=AUTH)[0] == 403
