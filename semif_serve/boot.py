@@ -147,12 +147,62 @@ def build_engine(
         device=spec.device,
         torch_module=torch_module,
         concurrency=spec.slots,
-        max_parallel_slots=MAX_SLOTS,  # TODO(runtime issue): derive from cap, baseline and peak
         lock=lock,
     )
+    on_gpu = spec.device != "cpu"
+    if on_gpu:
+        torch_module.cuda.reset_peak_memory_stats(spec.device)
+        allocated_before = torch_module.cuda.memory_allocated(spec.device)
     try:
-        engine.score(parse_row(WARM_UP_ROW))
+        warm_up = engine.score(parse_row(WARM_UP_ROW))
     except Exception as error:
         raise StartupError(f"the warm-up decision failed: {error}") from error
     engine.record_baseline()
+    if on_gpu:
+        budget = (
+            settings.vram_cap_gib * GIB
+            if settings.vram_cap_gib
+            else (torch_module.cuda.get_device_properties(spec.device).total_memory)
+        )
+        warm_up_bytes = torch_module.cuda.max_memory_allocated(spec.device) - allocated_before
+        per_decision = warm_up_bytes * spec.max_tokens / max(warm_up["input_tokens"], 1)
+        engine.max_parallel_slots = derive_capacity(budget, engine.baseline_reserved, per_decision)
+    elif settings.memory_budget_gib:
+        per_decision = kv_bytes_per_token(scoring_model.model) * spec.max_tokens * ACTIVATION_FACTOR
+        engine.max_parallel_slots = derive_capacity(
+            settings.memory_budget_gib * GIB, parameter_bytes(scoring_model.model), per_decision
+        )
+    else:
+        engine.max_parallel_slots = MAX_SLOTS
     return engine
+
+
+ACTIVATION_FACTOR = 2  # CPU estimate: activations about as large as the attention cache
+
+
+def derive_capacity(budget_bytes: float, baseline_bytes: float, per_decision_bytes: float) -> int:
+    """How many max_tokens decisions fit beside the loaded model, as slots 1..16.
+
+    On a GPU the per-decision cost is the warm-up's peak scaled to max_tokens (memory grows about
+    linearly with tokens); on the CPU it is estimated from the attention cache's size."""
+    if per_decision_bytes <= 0:
+        return MAX_SLOTS
+    fits = int((budget_bytes - baseline_bytes) // per_decision_bytes)
+    return max(1, min(MAX_SLOTS, fits))
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of attention keys and values one token adds (full-attention layers only)."""
+    config = model.config
+    layer_types = (
+        getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    )
+    attention_layers = sum(1 for kind in layer_types if kind != "linear_attention")
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return 2 * attention_layers * heads * head_dim * element
+
+
+def parameter_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

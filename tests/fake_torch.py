@@ -51,6 +51,18 @@ class FakeCuda:
     def memory_reserved(self, device=None):
         return self.reserved
 
+    allocated = 0
+    peak_allocated = 0
+
+    def memory_allocated(self, device=None):
+        return self.allocated
+
+    def max_memory_allocated(self, device=None):
+        return self.peak_allocated
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak_allocated = self.allocated
+
     def empty_cache(self):
         self.empty_cache_calls.append(all(ref() is None for ref in self.watch))
 

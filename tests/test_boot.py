@@ -161,3 +161,51 @@ def test_an_injected_oom_on_the_real_cpu_engine_is_503_and_the_next_request_succ
     assert "Tried to allocate" in failed.json["error"]["message"]
     recovered = api.simulate_post("/decide", json=row(), headers=AUTH)
     assert recovered.status_code == 200 and recovered.json["prompt_version"] == "direct-options-v1"
+
+
+def test_capacity_is_the_decisions_that_fit_beside_the_model_clamped_to_1_16():
+    from semif_serve.boot import derive_capacity
+
+    assert derive_capacity(10 * GIB, 4 * GIB, 2 * GIB) == 3
+    assert derive_capacity(10 * GIB, 4 * GIB, 7 * GIB) == 1  # never below one slot
+    assert derive_capacity(100 * GIB, 1 * GIB, 0.1 * GIB) == 16
+    assert derive_capacity(10 * GIB, 4 * GIB, 0) == 16
+
+
+def test_gpu_capacity_scales_the_warm_up_peak_to_max_tokens(tiny_qwen):
+    fake = FakeTorch(total=80 * GIB)
+    fake.cuda.allocated = fake.cuda.reserved = 2 * GIB
+    real_score = TorchScorer.score
+
+    def score_with_peak(self, row):
+        result = real_score(self, row)
+        fake.cuda.peak_allocated = fake.cuda.allocated + result["input_tokens"] * (
+            1 << 20
+        )  # 1 MiB/token
+        return result
+
+    TorchScorer.score = score_with_peak
+    try:
+        engine = build_engine(
+            gpu_settings(vram_cap_gib=12.0, max_tokens=2048),
+            torch_module=fake,
+            load=loader(tiny_qwen),
+        )
+    finally:
+        TorchScorer.score = real_score
+    # 2 GiB per max_tokens decision (2048 tokens x 1 MiB) beside a 2 GiB baseline, in 12 GiB.
+    assert engine.max_parallel_slots == 5
+
+
+def test_cpu_capacity_comes_from_the_memory_budget(smollm2):
+    from semif_serve.boot import kv_bytes_per_token, parameter_bytes
+
+    # SmolLM2-135M: 30 layers x 3 kv heads x 64 dims x 2 (k, v) x 4 bytes = 46,080 bytes a token.
+    assert kv_bytes_per_token(smollm2.model) == 46080
+    assert 500e6 < parameter_bytes(smollm2.model) < 600e6
+    config = settings(device="cpu", dtype="float32", memory_budget_gib=1.0, max_tokens=4096)
+    engine = build_engine(config, torch_module=torch, load=loader(smollm2))
+    per_decision = 46080 * 4096 * 2
+    assert engine.max_parallel_slots == min(
+        16, int((GIB - parameter_bytes(smollm2.model)) // per_decision)
+    )
