@@ -158,6 +158,9 @@ def build_engine(
     except Exception as error:
         raise StartupError(f"the warm-up decision failed: {error}") from error
     engine.record_baseline()
+    engine.resident_bytes = (
+        engine.baseline_reserved if on_gpu else parameter_bytes(scoring_model.model)
+    )
     if on_gpu:
         budget = (
             settings.vram_cap_gib * GIB

@@ -62,6 +62,7 @@ class Engine:
         self._torch = torch_module
         self.baseline_reserved: int | None = None
         self.max_parallel_slots = max_parallel_slots
+        self.resident_bytes: int | None = None  # what the loaded model holds (the memory budget)
 
     @property
     def on_gpu(self) -> bool:

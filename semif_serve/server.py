@@ -95,13 +95,20 @@ class _Gunicorn(BaseApplication):
 
 
 def configure_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    """Access lines as bare JSON; everything else semif_serve logs with its level and origin."""
     access = logging.getLogger("semif_serve.access")
-    access.addHandler(handler)
+    access_handler = logging.StreamHandler(sys.stderr)
+    access_handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(access_handler)
     access.setLevel(logging.INFO)
     access.propagate = False
-    logging.getLogger("semif_serve").setLevel(logging.INFO)
+    service = logging.getLogger("semif_serve")
+    service_handler = logging.StreamHandler(sys.stderr)
+    service_handler.setFormatter(
+        logging.Formatter("[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
+    )
+    service.addHandler(service_handler)
+    service.setLevel(logging.INFO)
 
 
 def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None = None) -> Any:

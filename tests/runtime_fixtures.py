@@ -25,6 +25,7 @@ class GatedEngine(Engine):
         self.scorer.release.set()
         super().__init__(self.scorer, concurrency=spec.slots, max_parallel_slots=factory.capacity)
         self.factory, self.spec = factory, spec
+        self.resident_bytes = factory.sizes.get(spec.id)
 
     def close(self):
         self.factory.events.append(("close", self.spec.id))
@@ -39,6 +40,7 @@ class Factory:
         self.load_started = threading.Event()
         self.fail_next_load: Exception | None = None
         self.engines: dict[str, GatedEngine] = {}
+        self.sizes: dict[str, int] = {}  # resident bytes per model id
 
     def __call__(self, spec: ModelSpec) -> GatedEngine:
         self.events.append(("load", spec.id))

@@ -129,3 +129,5 @@ def test_two_real_models_behind_one_server(tmp_path, builtin_cache, smollm2):
         status, unloaded, _ = server.request("POST", "/v1/models/tiny/unload", headers=admin)
         assert status == 200 and unloaded == {"id": "tiny", "loaded": False}
         assert server.request("POST", "/v1/models/tiny/unload", headers=AUTH)[0] == 403
+    assert server.process.returncode == 0
+    assert "runtime closed: 2 models unloaded" in server.log_text()  # gunicorn's worker_exit

@@ -392,3 +392,28 @@ def test_a_request_queued_behind_a_reconfigure_binds_the_new_configuration():
     assert later.admitted.wait(WAIT_S)
     assert later.engine is not old_engine and later.engine.spec.source == "test:new"
     later.finish()
+
+
+def test_the_memory_budget_evicts_idle_models_until_a_new_one_fits():
+    factory, clock = Factory(), Clock()
+    factory.sizes = {"a": 3 << 30, "b": 3 << 30, "c": 5 << 30}
+    rt = runtime(spec("a"), spec("b"), spec("c"), factory=factory, clock=clock, memory_budget_gib=8)
+    Held(rt, "a").finish()
+    clock.now += 1
+    Held(rt, "b").finish()  # 6 GiB used
+    clock.now += 1
+    Held(rt, "c").finish()  # needs 5: a (least recently used) goes, 3 + 5 fit
+    assert {s["id"]: s["loaded"] for s in rt.status()} == {"a": False, "b": True, "c": True}
+    assert ("close", "a") in factory.events
+
+
+def test_the_memory_budget_refuses_a_model_when_busy_ones_hold_it():
+    factory = Factory()
+    factory.sizes = {"a": 6 << 30, "b": 3 << 30}
+    rt = runtime(spec("a"), spec("b"), factory=factory, memory_budget_gib=8)
+    busy = Held(rt, "a")
+    assert busy.admitted.wait(WAIT_S)
+    refused = Held(rt, "b").finish()
+    assert isinstance(refused.error, InsufficientMemory) and "needs 3.00 GiB" in str(refused.error)
+    assert rt.entry("b").status()["state"] == "unloaded" and ("close", "b") in factory.events
+    busy.finish()

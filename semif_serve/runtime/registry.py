@@ -77,8 +77,10 @@ class Runtime:
         self._stop.set()
         if self._idle_thread is not None:
             self._idle_thread.join()
-        for entry in self._snapshot():
+        entries = self._snapshot()
+        for entry in entries:
             entry.manage(self._unload_alone, timeout=None)
+        log.info("runtime closed: %d models unloaded", len(entries))
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -217,6 +219,7 @@ class Runtime:
                 raise
             log.error("loading model %s failed: %s", spec.id, error)
             raise ScoringFailed(f"loading model {spec.id!r} failed: {error}") from None
+        self._fit_in_memory_budget(entry, engine)
         capacity = getattr(engine, "max_parallel_slots", None)
         if capacity is not None and spec.slots > capacity:
             self._teardown(engine)
@@ -254,6 +257,29 @@ class Runtime:
                 raise InsufficientMemory(
                     f"{limit} models are loaded (SEMIF_MAX_LOADED_MODELS) and none is idle; "
                     "retry later"
+                )
+
+    def _fit_in_memory_budget(self, loading: ModelEntry, engine: Any) -> None:
+        """With SEMIF_MEMORY_BUDGET_GIB, evict idle models (LRU) until the new one fits, else
+        drop it and refuse (503). Evictions done before a refusal are not undone."""
+        budget_gib = self._settings.memory_budget_gib
+        if budget_gib is None:
+            return
+        budget = budget_gib * (1 << 30)
+        needed = getattr(engine, "resident_bytes", None) or 0
+        while True:
+            others = [e for e in self._snapshot() if e is not loading]
+            used = sum(getattr(e.engine, "resident_bytes", None) or 0 for e in others)
+            if used + needed <= budget:
+                return
+            victims = sorted((e for e in others if e.is_idle), key=lambda e: e.last_used or 0.0)
+            evict = lambda victim: self._unload_alone(victim, "evict")  # noqa: E731
+            if not any(victim.try_manage(evict) for victim in victims):
+                self._teardown(engine)
+                raise InsufficientMemory(
+                    f"model {loading.spec.id!r} needs {needed / (1 << 30):.2f} GiB; "
+                    f"{used / (1 << 30):.2f} of SEMIF_MEMORY_BUDGET_GIB={budget_gib} are held by "
+                    "busy models; retry later"
                 )
 
     def _retire_idle_loop(self, interval_s: float) -> None:
