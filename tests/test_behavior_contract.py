@@ -22,9 +22,9 @@ def test_every_linked_test_function_exists():
     assert missing == []
 
 
-def matrix_cells() -> list[str]:
+def matrix_cells(heading: str = "## Operations × states") -> list[str]:
     text = DOC.read_text()
-    table = text.split("## Operations × states", 1)[1].split("\n## ", 1)[0]
+    table = text.split(heading, 1)[1].split("\n## ", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     return [cell for row in rows[1:] for cell in row.strip("|").split(" | ")[1:]]
 
@@ -44,3 +44,17 @@ def test_the_stated_count_matches_the_matrix():
     counts = {label: labels.count(label) for label in "DPU"}
     stated = f"{counts['D']} D, {counts['P']} P, {counts['U']} U"
     assert f"Operations × states: {stated}" in DOC.read_text(), stated
+
+
+def test_every_two_model_cell_has_one_label_and_the_count_is_stated():
+    cells = matrix_cells("## Two models")
+    assert len(cells) == 7 * 5
+    labels = []
+    for cell in cells:
+        [label] = LABEL.findall(cell)
+        if label in "DP":
+            assert LINK.search(cell), cell
+        labels.append(label)
+    counts = {label: labels.count(label) for label in "DPU"}
+    stated = f"Two models: {counts['D']} D, {counts['P']} P, {counts['U']} U"
+    assert stated in DOC.read_text(), stated
