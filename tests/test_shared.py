@@ -196,3 +196,23 @@ def test_prompts_sharing_no_leading_token_are_refused():
         PromptRejected, match="shared prefix guard: the prompts share no leading tokens"
     ):
         shared_prefix([1, 2], prompts)
+
+
+@pytest.mark.parametrize("count", [1, 21])
+def test_attention_only_models_share_one_prefix_copy_and_stay_exact(count):
+    from tiny_models import tiny_llama
+
+    from semif_serve.scoring import ModelInfo, ScoringModel
+    from semif_serve.scoring.shared import is_pure_attention
+
+    info = ModelInfo(source="test:tiny-llama", revision="seed-0", dtype="float32", device="cpu")
+    model = ScoringModel(model=tiny_llama(), tokenizer=byte_tokenizer(), info=info)
+    assert is_pure_attention(model.model)
+    _, _, timing = assert_shared_matches_direct(model, make_rows(count, [2, 16, 5]), tolerance=1e-5)
+    assert timing["replicate_seconds"] == 0.0  # nothing was copied per row
+
+
+def test_hybrid_models_take_the_replicating_path(tiny_qwen):
+    from semif_serve.scoring.shared import is_pure_attention
+
+    assert not is_pure_attention(tiny_qwen.model)

@@ -130,3 +130,20 @@ def byte_symbols(text: str) -> str:
     """`text` in the byte-level alphabet that merges are written in."""
     encoder = bytes_to_unicode()
     return "".join(encoder[byte] for byte in text.encode("utf-8"))
+
+
+def tiny_llama(vocab_size: int = 300, seed: int = 0):
+    """A random attention-only LlamaForCausalLM (the packed shared path), for byte tokenizers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).eval()

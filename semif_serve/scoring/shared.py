@@ -49,7 +49,8 @@ def score_shared(
     prefix_ids = shared_prefix(state_prefix_ids(tokenizer, parsed[0], prompts[0].text), prompts)
     encode_seconds = perf_counter() - started
 
-    letter_logits, forward_timing = _forward(scoring_model.model, prefix_ids, prompts)
+    forward = _forward_packed if is_pure_attention(scoring_model.model) else _forward
+    letter_logits, forward_timing = forward(scoring_model.model, prefix_ids, prompts)
 
     model_block = {**scoring_model.info.as_dict(), "serving_config": SERVING_CONFIG}
     forward_seconds = forward_timing["prefill_seconds"] + forward_timing["suffix_forward_seconds"]
@@ -189,12 +190,7 @@ def _forward(
         ).last_hidden_state
         last_hidden = hidden[torch.arange(rows, device=device), last_real.to(device)]
         logits = output_embeddings(last_hidden).float()
-        letter_logits = [
-            logits[index]
-            .index_select(0, torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=device))
-            .cpu()
-            for index, prompt in enumerate(prompts)
-        ]
+        letter_logits = _letter_logits(logits, prompts, device)
         suffix_seconds = perf_counter() - suffix_started
     del cache, hidden, logits
     return letter_logits, {
@@ -202,6 +198,84 @@ def _forward(
         "replicate_seconds": suffix_started - replicate_started,
         "suffix_forward_seconds": suffix_seconds,
     }
+
+
+def is_pure_attention(model: Any) -> bool:
+    """True when every layer is plain attention, so suffixes can share ONE copy of the prefix."""
+    layer_types = getattr(model.config, "layer_types", None)
+    return not layer_types or all(kind == "full_attention" for kind in layer_types)
+
+
+def _forward_packed(
+    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt]
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Attention-only models: all suffixes packed into ONE row after ONE prefix cache.
+
+    A block mask lets each suffix token see the prefix and its own suffix's earlier tokens only,
+    and position ids restart at the prefix length for every suffix, so each row computes exactly
+    what its direct prompt would. Nothing is replicated and nothing is padded: memory per extra
+    row no longer grows with the prefix length.
+    """
+    device = model.device
+    prefix_length = len(prefix_ids)
+    suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
+    lengths = [len(suffix) for suffix in suffixes]
+    total = sum(lengths)
+    positions = torch.cat([torch.arange(length) for length in lengths]) + prefix_length
+    allowed = torch.zeros((total, prefix_length + total), dtype=torch.bool)
+    allowed[:, :prefix_length] = True
+    start = 0
+    for length in lengths:
+        block = slice(start, start + length)
+        own = slice(prefix_length + start, prefix_length + start + length)
+        allowed[block, own] = torch.ones((length, length), dtype=torch.bool).tril()
+        start += length
+    dtype = model.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    last_real = torch.tensor(lengths).cumsum(0) - 1
+
+    base_model = model.get_decoder()
+    output_embeddings = model.get_output_embeddings()
+    with torch.inference_mode():
+        prefill_started = perf_counter()
+        cache = DynamicCache(config=model.config)
+        base_model(
+            input_ids=torch.tensor([prefix_ids], dtype=torch.long, device=device),
+            cache=cache,
+            use_cache=True,
+        )
+        _synchronize(device)
+        suffix_started = perf_counter()
+        hidden = base_model(
+            input_ids=torch.tensor(
+                [[token for suffix in suffixes for token in suffix]], device=device
+            ),
+            attention_mask=mask[None, None].to(device),
+            position_ids=positions[None].to(device),
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state
+        logits = output_embeddings(hidden[0, last_real.to(device)]).float()
+        letter_logits = _letter_logits(logits, prompts, device)
+        suffix_seconds = perf_counter() - suffix_started
+    del cache, hidden, logits
+    return letter_logits, {
+        "prefill_seconds": suffix_started - prefill_started,
+        "replicate_seconds": 0.0,
+        "suffix_forward_seconds": suffix_seconds,
+    }
+
+
+def _letter_logits(
+    logits: torch.Tensor, prompts: list[EncodedPrompt], device
+) -> list[torch.Tensor]:
+    """Each row's option-letter logits, in option order, on the CPU."""
+    return [
+        logits[index]
+        .index_select(0, torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=device))
+        .cpu()
+        for index, prompt in enumerate(prompts)
+    ]
 
 
 def _synchronize(device: torch.device) -> None:
