@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test lint clean
+.PHONY: serve test bench lint clean
 
 # The built-in SmolLM2-135M on the CPU at 127.0.0.1:8471. Without SEMIF_API_TOKEN a random token
 # is kept in .semif-token (mode 0600) and printed with a curl example.
@@ -15,6 +15,11 @@ serve: $(INSTALLED)
 test: $(INSTALLED)
 	$(BIN)/ruff check semif_serve tests bench
 	$(BIN)/python -m pytest
+
+# The full benchmarks on the built-in SmolLM2 (about 10 minutes on 2 cores); results go to
+# bench/results/<host>-<date>.json. `make test` runs every suite once on a tiny model.
+bench: $(INSTALLED)
+	SEMIF_BENCH_SIZE=full $(BIN)/python -m pytest bench -s --benchmark-enable
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check semif_serve tests bench

@@ -1,0 +1,101 @@
+"""Through gunicorn vs the bare scorer, /decide/shared vs separate /decide, and 3 rotations vs
+one plain call, all against one real server process started for this module."""
+
+import json
+
+import pytest
+from benchlib import FULL, report, timed
+from fakes import AUTH
+from live_server import LiveServer
+from workloads import make_workload
+
+from semif_serve.scoring import score
+
+HTTP_TARGET = 1.05  # HTTP /decide p50 at most 5% over the bare scorer call
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, bench_model):
+    import shutil
+    import sys
+
+    folder = tmp_path_factory.mktemp("bench-server")
+    env = {"SEMIF_DEVICE": "cpu", "SEMIF_MAX_TOKENS": "8192", "SEMIF_MAX_BODY_BYTES": str(8 << 20)}
+    if FULL:
+        env["SEMIF_MODEL"] = "builtin:smollm2-135m"
+    else:
+        bench_model.model.save_pretrained(folder / "model")
+        bench_model.tokenizer.save_pretrained(folder / "model")
+        env["SEMIF_MODEL"] = str(folder / "model")
+    command = [shutil.which("semif-serve") or f"{sys.prefix}/bin/semif-serve", "serve"]
+    with LiveServer(command, env, folder / "server.log") as live:
+        yield live
+
+
+def post(server, path, body):
+    status, reply, _ = server.request("POST", path, body, AUTH, timeout=600)
+    assert status == 200, reply
+    return reply
+
+
+def test_http_decide_vs_bare_scorer(server, bench_model, benchmark):
+    [rows] = make_workload(bench_model.tokenizer, 1, 1, 2000 if FULL else 120)
+    row = rows[0]
+    rounds = 5 if FULL else 1
+    bare = timed(lambda: score(bench_model, row, max_tokens=8192), rounds)
+    http = timed(lambda: post(server, "/decide", row), rounds)
+    benchmark.pedantic(lambda: post(server, "/decide", row), rounds=1, iterations=1)
+    ratio = http["p50"] / bare["p50"]
+    tokens = score(bench_model, row, max_tokens=8192)["input_tokens"]
+    report(
+        "http_vs_bare",
+        f"/decide through gunicorn ({tokens} tokens)",
+        "the bare scorer call",
+        ratio,
+        http_s=http,
+        bare_s=bare,
+    )
+    if FULL:
+        assert ratio <= HTTP_TARGET, f"HTTP/bare {ratio:.3f} > {HTTP_TARGET}"
+
+
+def test_shared_endpoint_vs_separate_decides(server, bench_model):
+    [rows] = make_workload(bench_model.tokenizer, 1, 21 if FULL else 3, 330 if FULL else 80)
+    body = {
+        "state": rows[0]["state"],
+        "decisions": [{k: r[k] for k in ("id", "question", "options")} for r in rows],
+    }
+    rounds = 3 if FULL else 1
+    shared = timed(lambda: post(server, "/decide/shared", body), rounds)
+    separate = timed(lambda: [post(server, "/decide", row) for row in rows], rounds)
+    report(
+        "shared_endpoint_vs_separate",
+        f"one /decide/shared with {len(rows)} criteria",
+        f"{len(rows)} separate /decide calls",
+        separate["p50"] / shared["p50"],
+        shared_s=shared,
+        separate_s=separate,
+    )
+
+
+def test_three_rotations_vs_one_plain_call(server, bench_model):
+    [rows] = make_workload(bench_model.tokenizer, 1, 1, 330 if FULL else 80)
+    row = {
+        **rows[0],
+        "options": [
+            {"id": k, "description": d} for k, d in (("y", "Yes"), ("n", "No"), ("u", "Unclear"))
+        ],
+    }
+    rounds = 5 if FULL else 1
+    plain = timed(lambda: post(server, "/decide", row), rounds)
+    rotated = timed(lambda: post(server, "/decide", {**row, "orderings": "rotations"}), rounds)
+    reply = post(server, "/decide", {**row, "orderings": "rotations"})
+    assert json.dumps(reply["combined"]["probabilities"])  # a real averaged reply
+    report(
+        "rotations_cost",
+        "3 rotations (one shared call)",
+        "one plain /decide",
+        rotated["p50"] / plain["p50"],
+        rotations_s=rotated,
+        plain_s=plain,
+    )

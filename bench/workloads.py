@@ -1,0 +1,77 @@
+"""Deterministic shape-like workloads: S states × C binary criteria, states of about T tokens.
+
+Seeded text from a fixed word list, so every run scores the same prompts; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import random
+
+WORDS = (
+    "invoice customer payment refund account service outage printer network billing contract "
+    "delivery warehouse supplier shipment delay report audit finance support ticket priority "
+    "escalation manager review policy renewal discount error timeout login password security "
+    "access request approval budget forecast quarter region office team schedule meeting"
+).split()
+CRITERIA = [
+    "Does the record report being charged more than once?",
+    "Does the record mention a refund request?",
+    "Is a specific deadline mentioned?",
+    "Does the customer threaten to cancel?",
+    "Is the problem related to a plan change?",
+    "Does the record report a technical error?",
+    "Is an error code quoted?",
+    "Is the customer on a business plan?",
+    "Does the record contain an attachment?",
+    "Is this the first contact with support?",
+    "Does the record concern the mobile app?",
+    "Is the tone hostile or abusive?",
+    "Does the record mention an audit?",
+    "Are monetary amounts given?",
+    "Is the record about a security breach?",
+    "Does the customer ask for a phone call?",
+    "Is more than one problem reported?",
+    "Does the record concern invoices?",
+    "Should billing handle it?",
+    "Should engineering handle it?",
+    "Can it be resolved without human review?",
+]
+YES_NO = [{"id": "yes", "description": "Yes"}, {"id": "no", "description": "No"}]
+
+
+def make_state(rng: random.Random, words: int) -> dict:
+    notes = []
+    while sum(len(note.split()) for note in notes) < words:
+        notes.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))) + ".")
+    return {"record": f"R-{rng.randint(10000, 99999)}", "notes": notes}
+
+
+def make_workload(
+    tokenizer, states: int = 3, criteria: int = 21, tokens: int = 2000, seed: int = 7
+) -> list[list[dict]]:
+    """`states` groups of `criteria` rows; each state grown until its prompt has ~`tokens`."""
+    from semif_serve.scoring import parse_row
+    from semif_serve.scoring.prompt import encode_prompt
+
+    rng = random.Random(seed)
+    groups = []
+    for index in range(states):
+        words = max(4, tokens // 2)
+        while True:
+            state = make_state(random.Random(seed * 1000 + index), words)
+            rows = [
+                {
+                    "id": f"s{index}c{c}",
+                    "state": state,
+                    "question": CRITERIA[c % len(CRITERIA)],
+                    "options": YES_NO,
+                }
+                for c in range(criteria)
+            ]
+            length = len(encode_prompt(tokenizer, parse_row(rows[0]), 1 << 20).ids)
+            if length >= tokens or words > tokens * 4:
+                break
+            words = int(words * max(1.05, tokens / max(length, 1)))
+        rng.shuffle(rows)
+        groups.append(rows)
+    return groups
