@@ -2,6 +2,8 @@
 one plain call, all against one real server process started for this module."""
 
 import json
+import statistics
+import time
 
 import pytest
 from benchlib import FULL, report, timed
@@ -39,24 +41,47 @@ def post(server, path, body):
 
 
 def test_http_decide_vs_bare_scorer(server, bench_model, benchmark):
+    """The target ratio compares each reply's wall time with the scorer time the server itself
+    measured for that same call (`total_seconds`): same process, same row, same moment, so it is
+    what HTTP adds. The bare call in this process is reported beside it, alternating with the
+    HTTP calls; on 2 shared cores it drifts more than the 5% being measured."""
     [rows] = make_workload(bench_model.tokenizer, 1, 1, 2000 if FULL else 120)
     row = rows[0]
     rounds = 5 if FULL else 1
-    bare = timed(lambda: score(bench_model, row, max_tokens=8192), rounds)
-    http = timed(lambda: post(server, "/decide", row), rounds)
+    post(server, "/decide", row)
+    score(bench_model, row, max_tokens=8192)
+    walls, server_side, bare = [], [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        reply = post(server, "/decide", row)
+        walls.append(time.perf_counter() - started)
+        server_side.append(reply["total_seconds"])
+        started = time.perf_counter()
+        score(bench_model, row, max_tokens=8192)
+        bare.append(time.perf_counter() - started)
     benchmark.pedantic(lambda: post(server, "/decide", row), rounds=1, iterations=1)
-    ratio = http["p50"] / bare["p50"]
-    tokens = score(bench_model, row, max_tokens=8192)["input_tokens"]
+    ratio = statistics.median(w / s for w, s in zip(walls, server_side))
     report(
         "http_vs_bare",
-        f"/decide through gunicorn ({tokens} tokens)",
-        "the bare scorer call",
+        f"/decide through gunicorn ({reply['input_tokens']} tokens), client wall time",
+        "the scorer call inside the same request (server-side total_seconds)",
         ratio,
-        http_s=http,
-        bare_s=bare,
+        http_s=spread(walls),
+        server_scorer_s=spread(server_side),
+        bare_in_bench_process_s=spread(bare),
+        http_over_bare_in_bench_process=statistics.median(walls) / statistics.median(bare),
     )
     if FULL:
         assert ratio <= HTTP_TARGET, f"HTTP/bare {ratio:.3f} > {HTTP_TARGET}"
+
+
+def spread(samples):
+    return {
+        "p50": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "n": len(samples),
+    }
 
 
 def test_shared_endpoint_vs_separate_decides(server, bench_model):
