@@ -48,5 +48,8 @@ def pytest_sessionfinish(session, exitstatus):
         "size": SIZE,
         "suites": RESULTS,
     }
+    if out.exists():  # a later run the same day (or of some suites) updates its suites
+        earlier = json.loads(out.read_text())
+        document["suites"] = {**earlier.get("suites", {}), **RESULTS}
     out.write_text(json.dumps(document, indent=2) + "\n")
     print(f"\nbench results written to {out}")
