@@ -16,20 +16,25 @@ FULL = SIZE == "full"
 RESULTS: dict = {}
 
 
+def spread(samples: list[float]) -> dict:
+    """p50, min, max and count of timings in seconds."""
+    return {
+        "p50": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "n": len(samples),
+    }
+
+
 def timed(call, rounds: int) -> dict:
-    """p50, min and max seconds of `rounds` calls (one warm-up call first)."""
+    """The spread of `rounds` calls, after one warm-up call."""
     call()
     samples = []
     for _ in range(rounds):
         started = time.perf_counter()
         call()
         samples.append(time.perf_counter() - started)
-    return {
-        "p50": statistics.median(samples),
-        "min": min(samples),
-        "max": max(samples),
-        "n": rounds,
-    }
+    return spread(samples)
 
 
 def report(suite: str, measured: str, against: str, ratio: float, **figures) -> None:

@@ -6,7 +6,7 @@ import statistics
 import time
 
 import pytest
-from benchlib import FULL, report, timed
+from benchlib import FULL, report, spread, timed
 from fakes import AUTH
 from live_server import LiveServer
 from workloads import make_workload
@@ -73,15 +73,6 @@ def test_http_decide_vs_bare_scorer(server, bench_model, benchmark):
     )
     if FULL:
         assert ratio <= HTTP_TARGET, f"HTTP/bare {ratio:.3f} > {HTTP_TARGET}"
-
-
-def spread(samples):
-    return {
-        "p50": statistics.median(samples),
-        "min": min(samples),
-        "max": max(samples),
-        "n": len(samples),
-    }
 
 
 def test_shared_endpoint_vs_separate_decides(server, bench_model):

@@ -37,13 +37,7 @@ class TorchScorer:
         self._max_tokens = max_tokens
 
     def model_info(self) -> dict[str, Any]:
-        info = self.scoring_model.info
-        return {
-            "source": info.source,
-            "revision": info.revision,
-            "dtype": info.dtype,
-            "device": info.device,
-        }
+        return self.scoring_model.info.identity()
 
     def score(self, row: Row) -> dict[str, Any]:
         from semif_serve.scoring import score

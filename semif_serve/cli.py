@@ -108,7 +108,6 @@ def run_serve(args: argparse.Namespace) -> int:
     environ = dict(os.environ)
     if args.token_file is not None and not environ.get("SEMIF_API_TOKEN"):
         environ["SEMIF_API_TOKEN"] = ensure_token_file(args.token_file)
-        os.environ["SEMIF_API_TOKEN"] = environ["SEMIF_API_TOKEN"]
         print(
             curl_example(environ.get("SEMIF_BIND", "127.0.0.1:8471"), args.token_file), flush=True
         )

@@ -68,7 +68,7 @@ class Settings:
             revision=_nonempty(env, "SEMIF_REVISION", DEFAULT_REVISION),
             device=device,
             dtype=dtype,
-            vram_cap_gib=parse_vram_cap(env.get("SEMIF_VRAM_CAP_GIB")),
+            vram_cap_gib=parse_gib(env.get("SEMIF_VRAM_CAP_GIB"), "SEMIF_VRAM_CAP_GIB"),
             max_tokens=parse_limit(env, "SEMIF_MAX_TOKENS", 4096),
             max_decisions=parse_limit(env, "SEMIF_MAX_DECISIONS", 64),
             max_body_bytes=parse_limit(env, "SEMIF_MAX_BODY_BYTES", 1 << 20),
@@ -126,12 +126,8 @@ def parse_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return text == "1"
 
 
-def parse_vram_cap(text: str | None) -> float | None:
-    """Unset means uncapped; a set value is a finite number of GiB > 0 (0 is not 'uncapped')."""
-    return parse_gib(text, "SEMIF_VRAM_CAP_GIB")
-
-
 def parse_gib(text: str | None, name: str) -> float | None:
+    """Unset: None. Set: a finite number of GiB > 0 (for the VRAM cap, 0 never meant uncapped)."""
     if text is None:
         return None
     try:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from typing import Any
+
+from semif_serve.scoring.rows import Row
 
 ORDERINGS = ("none", "rotations", "all")
 MAX_OPTIONS_FOR_ALL = 4
@@ -37,12 +40,11 @@ def ordering_id(decision_id: str, index: int) -> str:
     return f"{decision_id}#o{index}"
 
 
-def expand(row: dict[str, Any], mode: str) -> list[dict[str, Any]]:
+def expand(row: Row, mode: str) -> list[Row]:
     """One row per ordering: id `<id>#o<k>`, same state and question, options reordered."""
-    options = row["options"]
     return [
-        {**row, "id": ordering_id(row["id"], index), "options": [options[i] for i in order]}
-        for index, order in enumerate(ordering_permutations(len(options), mode))
+        replace(row, id=ordering_id(row.id, index), options=tuple(row.options[i] for i in order))
+        for index, order in enumerate(ordering_permutations(len(row.options), mode))
     ]
 
 

@@ -67,8 +67,6 @@ def load_model(
     try:
         model = _load_weights(folder, torch_dtype, kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-    except ModelLoadError:
-        raise
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"cannot load model {source!r} at {revision!r}: {error}") from error
     model.to(device)

@@ -210,6 +210,7 @@ def test_attention_only_models_share_one_prefix_copy_and_stay_exact(count):
     assert is_pure_attention(model.model)
     _, _, timing = assert_shared_matches_direct(model, make_rows(count, [2, 16, 5]), tolerance=1e-5)
     assert timing["replicate_seconds"] == 0.0  # nothing was copied per row
+    assert timing["padded_suffix_tokens"] == timing["true_suffix_tokens"]  # nor padded
 
 
 def test_hybrid_models_take_the_replicating_path(tiny_qwen):

@@ -114,15 +114,9 @@ class Runtime:
     def default_model_info(self) -> dict[str, Any]:
         """The default model as loaded (its engine's own account), else as configured."""
         entry = self.entry(None)
-        engine, spec = entry.engine, entry.spec
-        if engine is not None:
-            return engine.model_info()
-        return {
-            "source": spec.source,
-            "revision": spec.revision,
-            "dtype": spec.dtype,
-            "device": spec.device,
-        }
+        if entry.engine is not None:
+            return entry.engine.model_info()
+        return entry.spec.identity()
 
     # -- management -----------------------------------------------------------------------------
 
@@ -251,9 +245,7 @@ class Runtime:
             others = [e for e in self._snapshot() if e is not loading]
             if sum(1 for e in others if e.state != UNLOADED) < limit:
                 return
-            victims = sorted((e for e in others if e.is_idle), key=lambda e: e.last_used or 0.0)
-            evict = lambda victim: self._unload_alone(victim, "evict")  # noqa: E731
-            if not any(victim.try_manage(evict) for victim in victims):
+            if not self._evict_one(others):
                 raise InsufficientMemory(
                     f"{limit} models are loaded (SEMIF_MAX_LOADED_MODELS) and none is idle; "
                     "retry later"
@@ -272,15 +264,19 @@ class Runtime:
             used = sum(getattr(e.engine, "resident_bytes", None) or 0 for e in others)
             if used + needed <= budget:
                 return
-            victims = sorted((e for e in others if e.is_idle), key=lambda e: e.last_used or 0.0)
-            evict = lambda victim: self._unload_alone(victim, "evict")  # noqa: E731
-            if not any(victim.try_manage(evict) for victim in victims):
+            if not self._evict_one(others):
                 self._teardown(engine)
                 raise InsufficientMemory(
                     f"model {loading.spec.id!r} needs {needed / (1 << 30):.2f} GiB; "
                     f"{used / (1 << 30):.2f} of SEMIF_MEMORY_BUDGET_GIB={budget_gib} are held by "
                     "busy models; retry later"
                 )
+
+    def _evict_one(self, candidates: list[ModelEntry]) -> bool:
+        """Unload the least recently used idle candidate; False when none is idle."""
+        victims = sorted((e for e in candidates if e.is_idle), key=lambda e: e.last_used or 0.0)
+        evict = lambda victim: self._unload_alone(victim, "evict")  # noqa: E731
+        return any(victim.try_manage(evict) for victim in victims)
 
     def _retire_idle_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

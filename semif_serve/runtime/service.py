@@ -189,7 +189,7 @@ def _decision(body: dict[str, Any], where: str) -> _Decision:
     if mode == "none":
         decision.rows = [row]
     else:
-        decision.rows = [parse_row(expanded) for expanded in expand(fields, mode)]
+        decision.rows = expand(row, mode)
     return decision
 
 

@@ -52,15 +52,13 @@ class ModelSpec:
     keep_alive_s: float | None = None  # None: stays loaded until unloaded or evicted
     load_on_startup: bool = False
 
-    def public(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
+        """As configured, before any load (what /health reports for an unloaded model)."""
         return {
             "source": self.source,
             "revision": self.revision,
             "dtype": self.dtype,
             "device": self.device,
-            "max_tokens": self.max_tokens,
-            "slots": self.slots,
-            "keep_alive_s": self.keep_alive_s,
         }
 
 

@@ -17,15 +17,22 @@ class ModelInfo:
     dtype: str
     device: str
 
-    def as_dict(self) -> dict[str, str]:
-        import torch
-        import transformers
-
+    def identity(self) -> dict[str, str]:
+        """Which weights, and how they run (what /health reports)."""
         return {
             "source": self.source,
             "revision": self.revision,
             "dtype": self.dtype,
             "device": self.device,
+        }
+
+    def as_dict(self) -> dict[str, str]:
+        """The `model` block of every result: the identity plus the library versions."""
+        import torch
+        import transformers
+
+        return {
+            **self.identity(),
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,
         }

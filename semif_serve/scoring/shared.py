@@ -6,10 +6,12 @@
    with that prefix; here the prefix backs off to the tokens every prompt does share (a state
    ending in `}]}` merges further back than one token on common BPE vocabularies). Either way
    each row is scored on exactly the token ids the direct scorer would see.
-2. Prefill the prefix once (batch 1), then copy its cache to n rows (`replicate_cache`).
-3. Feed all suffixes in one batch, right-padded, with position ids continuing from the prefix
-   and an attention mask over prefix + real suffix tokens. Right padding keeps the recurrent
-   layers exact: a row's real tokens never see its padding.
+2. Prefill the prefix once (batch 1).
+3. Attention-only models (`_forward_packed`): all suffixes in ONE row after that one prefix
+   cache, with a block mask and per-suffix position ids. Models with linear-attention layers
+   (`_forward`): copy the cache to n rows (`replicate_cache`) and feed the suffixes right-padded,
+   with position ids continuing from the prefix and a mask over prefix + real suffix tokens;
+   right padding keeps the recurrent layers exact (a row's real tokens never see its padding).
 4. Read each row's logits at its own last real token.
 """
 
@@ -66,15 +68,15 @@ def score_shared(
         )
         for row, prompt, logits in zip(parsed, prompts, letter_logits)
     ]
-    suffix_lengths = [len(prompt.ids) - len(prefix_ids) for prompt in prompts]
+    padded_suffix_tokens = forward_timing.pop("padded_suffix_tokens")
     timing = {
         "total_seconds": total_seconds,
         "encode_seconds": encode_seconds,
         "prefix_tokens": len(prefix_ids),
         **forward_timing,
         "batch_size": len(parsed),
-        "true_suffix_tokens": sum(suffix_lengths),
-        "padded_suffix_tokens": len(parsed) * max(suffix_lengths),
+        "true_suffix_tokens": sum(len(prompt.ids) - len(prefix_ids) for prompt in prompts),
+        "padded_suffix_tokens": padded_suffix_tokens,
     }
     return results, timing
 
@@ -170,13 +172,7 @@ def _forward(
     output_embeddings = model.get_output_embeddings()
     with torch.inference_mode():
         prefill_started = perf_counter()
-        cache = DynamicCache(config=model.config)
-        base_model(
-            input_ids=torch.tensor([prefix_ids], dtype=torch.long, device=device),
-            cache=cache,
-            use_cache=True,
-        )
-        _synchronize(device)
+        cache = _prefill(base_model, model.config, prefix_ids, device)
         replicate_started = perf_counter()
         replicate_cache(cache, rows)
         _synchronize(device)
@@ -197,7 +193,20 @@ def _forward(
         "prefill_seconds": replicate_started - prefill_started,
         "replicate_seconds": suffix_started - replicate_started,
         "suffix_forward_seconds": suffix_seconds,
+        "padded_suffix_tokens": rows * longest,
     }
+
+
+def _prefill(base_model: Any, config: Any, prefix_ids: list[int], device: torch.device) -> Any:
+    """The prefix's cache, batch 1 (call inside inference_mode)."""
+    cache = DynamicCache(config=config)
+    base_model(
+        input_ids=torch.tensor([prefix_ids], dtype=torch.long, device=device),
+        cache=cache,
+        use_cache=True,
+    )
+    _synchronize(device)
+    return cache
 
 
 def is_pure_attention(model: Any) -> bool:
@@ -238,13 +247,7 @@ def _forward_packed(
     output_embeddings = model.get_output_embeddings()
     with torch.inference_mode():
         prefill_started = perf_counter()
-        cache = DynamicCache(config=model.config)
-        base_model(
-            input_ids=torch.tensor([prefix_ids], dtype=torch.long, device=device),
-            cache=cache,
-            use_cache=True,
-        )
-        _synchronize(device)
+        cache = _prefill(base_model, model.config, prefix_ids, device)
         suffix_started = perf_counter()
         hidden = base_model(
             input_ids=torch.tensor(
@@ -263,6 +266,7 @@ def _forward_packed(
         "prefill_seconds": suffix_started - prefill_started,
         "replicate_seconds": 0.0,
         "suffix_forward_seconds": suffix_seconds,
+        "padded_suffix_tokens": total,  # packed: nothing is padded
     }
 
 
