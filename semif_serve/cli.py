@@ -1,7 +1,8 @@
-"""The `semif-serve` command: `serve` runs the HTTP service, `score` scores a JSONL file of rows.
+"""The `semif-serve` command: `serve` runs the HTTP service, `score` scores a JSONL file of rows,
+`evaluate`, `calibrate` and `accept` measure a model or a running server on labelled decisions.
 
-Exit status: 0 done; 2 a bad row (named by line), a missing file or an unloadable model, with a
-one-line message on stderr.
+Exit status: 0 done; 2 a bad row (named by line), a missing file, an unloadable model or an
+unreachable server, with a one-line message on stderr; 1 when `accept` finds a failing check.
 """
 
 from __future__ import annotations
@@ -52,7 +53,124 @@ def build_parser() -> argparse.ArgumentParser:
         help="longer prompts are rejected, never truncated (default: %(default)s)",
     )
     score.add_argument("--out", type=Path, help="write results here instead of stdout")
+    add_quality_commands(commands)
     return parser
+
+
+def add_quality_commands(commands) -> None:
+    from semif_serve.decisions import ORDERINGS
+
+    evaluate = commands.add_parser(
+        "evaluate", help="accuracy on labelled decisions, per ordering mode (docs/quality.md)"
+    )
+    _add_data(evaluate)
+    evaluate.add_argument(
+        "--orderings",
+        default="none",
+        type=_modes(ORDERINGS),
+        help="a mode, or comma-separated modes to compare with the first, e.g. none,rotations "
+        f"(modes: {', '.join(ORDERINGS)}; default: %(default)s)",
+    )
+    _add_backend(evaluate)
+    evaluate.add_argument(
+        "--out", type=Path, help="folder for evaluate.json, evaluate.md and predictions-MODE.jsonl"
+    )
+    calibrate = commands.add_parser(
+        "calibrate", help="fit a workload's temperature and write the SEMIF_CALIBRATION file"
+    )
+    _add_data(calibrate)
+    calibrate.add_argument("--workload", required=True, help="the workload name callers will send")
+    calibrate.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the calibration JSON; an existing file keeps its other workloads",
+    )
+    calibrate.add_argument("--report", type=Path, help="also write the fit report as JSON here")
+    _add_backend(calibrate)
+    accept = commands.add_parser(
+        "accept", help="the contract's acceptance checks against a running server"
+    )
+    _add_server(accept, required=False)
+    accept.add_argument(
+        "--data",
+        type=Path,
+        default=Path("bench/data/decisions144.jsonl"),
+        help="rows to check with (labels ignored; default: %(default)s)",
+    )
+    accept.add_argument(
+        "--reference",
+        type=Path,
+        help="`semif-serve score` output for the same rows; without it parity is skipped",
+    )
+    accept.add_argument(
+        "--speed-rows",
+        type=Path,
+        default=Path("docs/examples/ticket-21.jsonl"),
+        help="21 binary criteria over one state (default: %(default)s)",
+    )
+    accept.add_argument(
+        "--repeats", type=_positive_int, default=3, help="speed repeats, >= 3 (default: 3)"
+    )
+    accept.add_argument(
+        "--tolerance",
+        type=float,
+        help="largest probability gap between agreeing runs (default: by the server's dtype)",
+    )
+    accept.add_argument(
+        "--max-speed-p50-s", type=float, help="also fail speed when the shared p50 is slower"
+    )
+    accept.add_argument("--out", type=Path, help="folder for accept.json")
+
+
+def _add_data(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data",
+        type=Path,
+        action="append",
+        required=True,
+        help="labelled JSONL (rows with gold, family, group); repeat to add files",
+    )
+
+
+def _add_server(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument(
+        "--url",
+        default=None if required else "http://127.0.0.1:8471",
+        help="a running semif-serve" + ("" if required else " (default: %(default)s)"),
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None if required else Path(".semif-token"),
+        help="file holding the bearer token" + ("" if required else " (default: %(default)s)"),
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=600.0, help="per request (default: %(default)s)"
+    )
+
+
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    """A running server (--url, --token-file) or a local model (--model and its options)."""
+    _add_server(parser, required=True)
+    parser.add_argument("--model", help="score locally instead: builtin:NAME, a folder or a hub id")
+    parser.add_argument("--revision", help="40-hex commit for a hub id")
+    parser.add_argument("--device", default="cpu", help="local model device (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-tokens", type=_positive_int, default=4096)
+
+
+def _modes(known: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        modes = [mode.strip() for mode in text.split(",")]
+        unknown = [mode for mode in modes if mode not in known]
+        if unknown or not modes:
+            raise argparse.ArgumentTypeError(f"modes must be among {', '.join(known)}: {text!r}")
+        if len(set(modes)) != len(modes):
+            raise argparse.ArgumentTypeError(f"a mode is repeated: {text!r}")
+        return modes
+
+    return parse
 
 
 def _positive_int(text: str) -> int:
@@ -71,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_score(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command in ("evaluate", "calibrate", "accept"):
+        from semif_serve.quality import commands
+
+        return getattr(commands, f"run_{args.command}")(args)
     return EXIT_USAGE  # pragma: no cover  (argparse rejects unknown commands)
 
 

@@ -1,0 +1,52 @@
+"""What answers decisions for `evaluate` and `calibrate`: a running server, or a local model.
+
+Both give the `/decide` reply shape for one row and an ordering mode: the native SemIf result for
+`none`, else `{id, option_ids, combined, orderings}`. The local backend runs the project's own
+scorers and the same order-averaging functions the server uses, with no HTTP in between.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from semif_serve.decisions import averaged_result, expand
+from semif_serve.quality.client import ServiceClient
+from semif_serve.scoring import ScoringModel, parse_row, score, score_shared
+
+
+class Backend(Protocol):
+    def describe(self) -> dict[str, Any]: ...
+    def decide(self, row: dict[str, Any], orderings: str) -> dict[str, Any]: ...
+
+
+class HttpBackend:
+    """POST /decide, one row per request (orderings expand server-side into one shared call)."""
+
+    def __init__(self, client: ServiceClient):
+        self._client = client
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self._client.url, "model": self._client.health().get("model")}
+
+    def decide(self, row: dict[str, Any], orderings: str) -> dict[str, Any]:
+        body = row if orderings == "none" else {**row, "orderings": orderings}
+        return self._client.decide(body)
+
+
+class LocalBackend:
+    """The direct scorer for `none`; every ordering of a row in one shared call otherwise."""
+
+    def __init__(self, scoring_model: ScoringModel, max_tokens: int):
+        self._model = scoring_model
+        self._max_tokens = max_tokens
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self._model.info.identity()}
+
+    def decide(self, row: dict[str, Any], orderings: str) -> dict[str, Any]:
+        parsed = parse_row(row)
+        if orderings == "none":
+            return score(self._model, parsed, max_tokens=self._max_tokens)
+        rows = expand(parsed, orderings)
+        results, _timing = score_shared(self._model, rows, max_tokens=self._max_tokens)
+        return averaged_result(parsed.id, parsed.option_ids, results, orderings)

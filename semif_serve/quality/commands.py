@@ -1,0 +1,163 @@
+"""The `evaluate`, `calibrate` and `accept` commands: arguments in, files and exit status out.
+
+Exit status: 0 done (accept: every check passed or was skipped); 1 accept found a failing check;
+2 the command could not run (bad data, missing file, unloadable model, unreachable server), with
+one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """The command cannot run as asked; the message is the one line to show."""
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    from semif_serve.quality import evaluate
+
+    def work() -> None:
+        rows = _labelled(args.data)
+        backend = _backend(args)
+        predictions = evaluate.decide_all(backend, rows, args.orderings)
+        report = {
+            "data": [str(path) for path in args.data],
+            "backend": backend.describe(),
+            **evaluate.report(rows, predictions),
+        }
+        text = evaluate.markdown(report)
+        print(text, end="")
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            _write_json(args.out / "evaluate.json", report)
+            (args.out / "evaluate.md").write_text(text, encoding="utf-8")
+            for mode, predicted in predictions.items():
+                records = evaluate.prediction_records(rows, predicted)
+                lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+                (args.out / f"predictions-{mode}.jsonl").write_text(lines, encoding="utf-8")
+
+    return _guard(work)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from semif_serve.quality import calibrate
+    from semif_serve.quality.evaluate import decide_all
+
+    def work() -> None:
+        rows = _labelled(args.data)
+        backend = _backend(args)
+        predictions = decide_all(backend, rows, ["none"])["none"]
+        report = {
+            "workload": args.workload,
+            "data": [str(path) for path in args.data],
+            "backend": backend.describe(),
+            **calibrate.fit_report(rows, predictions),
+        }
+        table = calibrate.write_calibration(args.out, args.workload, report["temperature"])
+        report["written"] = {"path": str(args.out), "table": table}
+        if args.report is not None:
+            _write_json(args.report, report)
+        print(calibrate.markdown(report, args.workload), end="")
+        print(f"\nWrote {args.out}: {json.dumps(table)}")
+
+    return _guard(work)
+
+
+def run_accept(args: argparse.Namespace) -> int:
+    from semif_serve.quality.accept import Acceptance, AcceptInputs, read_results, table
+    from semif_serve.quality.labelled import read_plain_rows
+
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        speed_rows = read_plain_rows(args.speed_rows)
+        try:
+            reference = read_results(args.reference) if args.reference else None
+        except (OSError, ValueError, KeyError) as error:
+            raise CommandError(
+                f"{args.reference}: not a `semif-serve score` output: {error}"
+            ) from None
+        inputs = AcceptInputs(
+            rows=read_plain_rows(args.data),
+            speed_rows=speed_rows,
+            reference=reference,
+            repeats=args.repeats,
+            tolerance=args.tolerance,
+            max_speed_p50_s=args.max_speed_p50_s,
+        )
+        report = Acceptance(_client(args), inputs).run()
+        print(table(report), end="")
+        if args.out is not None:
+            _write_json(args.out / "accept.json", report)
+        outcome["passed"] = report["passed"]
+
+    status = _guard(work)
+    if status == 0 and not outcome["passed"]:
+        return EXIT_CHECK_FAILED
+    return status
+
+
+def _guard(work) -> int:
+    """Run `work`; the expected failures become one line on stderr and exit status 2."""
+    from semif_serve.builtin import BuiltinModelError
+    from semif_serve.loading import ModelLoadError
+    from semif_serve.quality.calibrate import CalibrationFileError
+    from semif_serve.quality.client import ServiceError
+    from semif_serve.quality.labelled import LabelledDataError
+
+    expected = (
+        CommandError,
+        LabelledDataError,
+        ServiceError,
+        ModelLoadError,
+        BuiltinModelError,
+        CalibrationFileError,
+        ValueError,  # data the statistics cannot use, e.g. perturbations without their sources
+    )
+    try:
+        work()
+    except expected as error:
+        print(f"semif-serve: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _labelled(paths: list[Path]):
+    from semif_serve.quality.labelled import read_labelled
+
+    return read_labelled(paths)
+
+
+def _client(args: argparse.Namespace):
+    from semif_serve.quality.client import ServiceClient, read_token
+
+    if args.token_file is None:
+        raise CommandError("--token-file is needed with --url")
+    return ServiceClient(args.url, read_token(args.token_file), args.timeout_s)
+
+
+def _backend(args: argparse.Namespace):
+    """--url with --token-file, or --model: exactly one of them."""
+    from semif_serve.quality.backends import HttpBackend, LocalBackend
+
+    if (args.url is None) == (args.model is None):
+        raise CommandError("give either --url URL --token-file FILE, or --model SOURCE")
+    if args.url is not None:
+        return HttpBackend(_client(args))
+    from semif_serve.loading import load_model
+
+    model = load_model(args.model, args.revision, dtype=args.dtype, device=args.device)
+    return LocalBackend(model, args.max_tokens)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
