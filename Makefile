@@ -21,8 +21,10 @@ test: $(INSTALLED)
 bench: $(INSTALLED)
 	SEMIF_BENCH_SIZE=full $(BIN)/python -m pytest bench -s --benchmark-enable
 
+# ruff, then every .nix file through `nix-instantiate --parse` (nix/lint.sh installs Debian's
+# nix-bin when nix-instantiate is missing).
 lint: $(INSTALLED)
-	$(BIN)/ruff check semif_serve tests bench
+	RUFF=$(BIN)/ruff nix/lint.sh
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
