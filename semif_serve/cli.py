@@ -151,8 +151,14 @@ def _add_server(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
-    """A running server (--url, --token-file) or a local model (--model and its options)."""
+    """A running server (--url, --token-file), a local model (--model and its options), or
+    saved native results (--results)."""
     _add_server(parser, required=True)
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help="`semif-serve score` output for the same rows (orderings none only)",
+    )
     parser.add_argument("--model", help="score locally instead: builtin:NAME, a folder or a hub id")
     parser.add_argument("--revision", help="40-hex commit for a hub id")
     parser.add_argument("--device", default="cpu", help="local model device (default: %(default)s)")

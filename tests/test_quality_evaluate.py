@@ -83,6 +83,8 @@ def test_evaluate_compares_orderings_with_a_group_bootstrap(tmp_path, capsys):
     assert rotations["overall"]["accuracy"] == 1.0
     assert rotations["overall"]["balanced_accuracy"] == 1.0
     assert none["gold_position"]["A"]["accuracy"] == 1.0
+    recalls = [values["accuracy"] for values in none["gold_position"].values()]
+    assert none["overall"]["balanced_accuracy"] == pytest.approx(sum(recalls) / len(recalls))
     assert set(none["families"]) == {"fam1", "fam2"}
     # only the STRONG rows (1 of 3) are unanimous under rotations, and they are right
     assert rotations["unanimous"] == {"rows": 8, "share": 8 / 24, "accuracy": 1.0}
@@ -111,7 +113,7 @@ def test_evaluate_needs_exactly_one_backend_and_the_sources_of_perturbations(tmp
     write_jsonl(data, perturbations())
     status = main(["evaluate", "--data", str(data)])
     assert status == 2
-    assert "either --url" in capsys.readouterr().err
+    assert "give one of --url" in capsys.readouterr().err
     with served() as server:
         status = main(
             [
@@ -126,6 +128,26 @@ def test_evaluate_needs_exactly_one_backend_and_the_sources_of_perturbations(tmp
         )
     assert status == 2
     assert "only perturbations" in capsys.readouterr().err
+
+
+def test_balanced_accuracy_classes_are_gold_positions_not_option_ids():
+    from semif_serve.quality.evaluate import Prediction, report
+    from semif_serve.quality.labelled import LabelledRow
+
+    def labelled(row_id, gold):
+        options = [{"id": f"{row_id}-{k}", "description": k} for k in ("x", "y", "z")]
+        row = {"id": row_id, "state": "s", "question": "q", "options": options}
+        return LabelledRow(row=row, gold=f"{row_id}-{gold}", family="f", group=row_id)
+
+    rows = [labelled("r1", "x"), labelled("r2", "x"), labelled("r3", "y")]  # gold at A, A, B
+    chosen = ["r1-x", "r2-x", "r3-z"]
+    predictions = [
+        Prediction(r.id, r.gold, top, top == r.gold, [1 / 3] * 3, [0.0] * 3, None)
+        for r, top in zip(rows, chosen)
+    ]
+    overall = report(rows, {"none": predictions})["modes"]["none"]["overall"]
+    assert overall["accuracy"] == pytest.approx(2 / 3)
+    assert overall["balanced_accuracy"] == 0.5  # recall of A: 2/2, of B: 0/1
 
 
 def test_labelled_rows_are_checked_and_sent_without_their_labels(tmp_path):
@@ -236,3 +258,41 @@ def test_the_local_backend_scores_natively_or_all_orderings_in_one_shared_call(m
     ]
     assert averaged["combined"]["top"] == ROWS[1]["gold"]  # the position bias cancelled
     assert [result["id"] for result in averaged["orderings"]] == ids
+
+
+def test_calibrate_and_evaluate_read_saved_score_results(tmp_path, capsys):
+    data, results = tmp_path / "rows.jsonl", tmp_path / "scored.jsonl"
+    write_jsonl(data, ROWS)
+    scorer = FakeScorer(base=CONTENT, bias=POSITION_A_BIAS)
+    write_jsonl(results, [scorer.result(parse_row({k: r[k] for k in ROW_KEYS})) for r in ROWS])
+    out = tmp_path / "calibration.json"
+    status = main(
+        [
+            "calibrate",
+            "--data",
+            str(data),
+            "--workload",
+            "quiz",
+            "--out",
+            str(out),
+            "--results",
+            str(results),
+        ]
+    )
+    assert status == 0, capsys.readouterr().err
+    logits = [json.loads(line)["option_logits"] for line in results.read_text().splitlines()]
+    gold = [[o["id"] for o in r["options"]].index(r["gold"]) for r in ROWS]
+    assert dict(load_calibration(str(out))) == {"quiz": round(fit_temperature(logits, gold), 4)}
+    status = main(
+        [
+            "evaluate",
+            "--data",
+            str(data),
+            "--orderings",
+            "none,rotations",
+            "--results",
+            str(results),
+        ]
+    )
+    assert status == 2
+    assert "native results only" in capsys.readouterr().err

@@ -13,13 +13,11 @@ Rows agree as `agreement.compare_runs` defines, with a tolerance set by the mode
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
@@ -56,16 +54,6 @@ class AcceptInputs:
     repeats: int = MIN_REPEATS
     tolerance: float | None = None  # None: by the model's dtype
     max_speed_p50_s: float | None = None
-
-
-def read_results(path: Path) -> dict[str, dict[str, Any]]:
-    """A `semif-serve score` output file, by row id."""
-    results = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            result = json.loads(line)
-            results[result["id"]] = result
-    return results
 
 
 class Acceptance:

@@ -72,19 +72,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_accept(args: argparse.Namespace) -> int:
-    from semif_serve.quality.accept import Acceptance, AcceptInputs, read_results, table
+    from semif_serve.quality.accept import Acceptance, AcceptInputs, table
+    from semif_serve.quality.backends import read_results
     from semif_serve.quality.labelled import read_plain_rows
 
     outcome: dict[str, Any] = {}
 
     def work() -> None:
         speed_rows = read_plain_rows(args.speed_rows)
-        try:
-            reference = read_results(args.reference) if args.reference else None
-        except (OSError, ValueError, KeyError) as error:
-            raise CommandError(
-                f"{args.reference}: not a `semif-serve score` output: {error}"
-            ) from None
+        reference = read_results(args.reference) if args.reference else None
         inputs = AcceptInputs(
             rows=read_plain_rows(args.data),
             speed_rows=speed_rows,
@@ -145,13 +141,18 @@ def _client(args: argparse.Namespace):
 
 
 def _backend(args: argparse.Namespace):
-    """--url with --token-file, or --model: exactly one of them."""
-    from semif_serve.quality.backends import HttpBackend, LocalBackend
+    """--url with --token-file, --model, or --results: exactly one of them."""
+    from semif_serve.quality.backends import HttpBackend, LocalBackend, SavedResults
 
-    if (args.url is None) == (args.model is None):
-        raise CommandError("give either --url URL --token-file FILE, or --model SOURCE")
+    chosen = [args.url, args.model, args.results]
+    if sum(choice is not None for choice in chosen) != 1:
+        raise CommandError(
+            "give one of --url URL --token-file FILE, --model SOURCE or --results FILE"
+        )
     if args.url is not None:
         return HttpBackend(_client(args))
+    if args.results is not None:
+        return SavedResults(args.results)
     from semif_serve.loading import load_model
 
     model = load_model(args.model, args.revision, dtype=args.dtype, device=args.device)

@@ -1,12 +1,14 @@
 """`semif-serve evaluate`: accuracy of a backend on labelled decisions, per ordering mode.
 
-For each mode (none, rotations, all) every row is decided once. The report gives, over the
-original rows (not perturbations): accuracy and balanced accuracy overall and per family, and
-accuracy by the gold option's position; for averaged modes the share and accuracy of unanimous
-rows (every ordering chose the same option). Perturbation rows (`source_id`, `variant`) are
-compared with their source row: a flip is a different chosen option id. With two or more modes
-the first is the baseline and each other mode gets the paired accuracy difference with a
-group-bootstrap 95% interval.
+For each mode (none, rotations, all) every row is decided once. Over the original rows (not
+perturbations) the report gives accuracy and balanced accuracy, overall and per family, and
+accuracy by the gold option's position. Balanced accuracy's classes are positions (A, B, C...):
+option ids are per-row names, and a position is what a biased model over-chooses; when the gold
+is spread evenly over positions it equals accuracy. Averaged modes add the share and accuracy of
+unanimous rows (every ordering chose the same option). Perturbation rows (`source_id`,
+`variant`) are compared with their source row: a flip is a different chosen option id. With two
+or more modes the first is the baseline, and each other mode gets the paired accuracy difference
+with a group-bootstrap 95% interval.
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ def _accuracies(
     }
     if balanced:
         figures["balanced_accuracy"] = balanced_accuracy(
-            [labelled.gold for labelled, _ in pairs], [predicted.top for _, predicted in pairs]
+            [labelled.gold_position for labelled, _ in pairs],
+            [labelled.position_of(predicted.top) for labelled, predicted in pairs],
         )
     return figures
 

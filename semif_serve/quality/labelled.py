@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from semif_serve.scoring.prompt import LETTERS
 from semif_serve.scoring.rows import InvalidRow, parse_row
 
 ROW_KEYS = ("id", "state", "question", "options")
@@ -47,7 +48,10 @@ class LabelledRow:
     @property
     def gold_position(self) -> str:
         """The gold option's letter in the row's own order (A, B, C, ...)."""
-        return "ABCDEFGHIJKLMNOP"[self.option_ids.index(self.gold)]
+        return self.position_of(self.gold)
+
+    def position_of(self, option_id: str) -> str:
+        return LETTERS[self.option_ids.index(option_id)]
 
 
 def read_labelled(paths: list[Path]) -> list[LabelledRow]:
