@@ -213,7 +213,9 @@ def test_attention_only_models_share_one_prefix_copy_and_stay_exact(count):
     assert timing["padded_suffix_tokens"] == timing["true_suffix_tokens"]  # nor padded
 
 
-def test_hybrid_models_take_the_replicating_path(tiny_qwen):
+def test_hybrid_models_take_the_shared_prefix_path(tiny_qwen):
     from semif_serve.scoring.shared import is_pure_attention
 
     assert not is_pure_attention(tiny_qwen.model)
+    _, _, timing = assert_shared_matches_direct(tiny_qwen, make_rows(3, [2]), tolerance=1e-5)
+    assert tiny_qwen.model.config._attn_implementation == "semif_prefix_sdpa"

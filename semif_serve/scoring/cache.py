@@ -1,8 +1,12 @@
-"""Replicate a batch-1 prefix cache to n rows, for every layer kind Qwen3.5 and Llama use.
+"""Turn a batch-1 prefix cache into one that serves n suffix rows, for the layer kinds Qwen3.5
+and Llama use.
 
-`DynamicCache.batch_repeat_interleave` does not handle `LinearAttentionLayer` (Qwen3.5's Gated
-DeltaNet conv and recurrent states), so each layer's tensors are repeated along dim 0 here. The
-repeats are real copies: the linear-attention layers update their states in place.
+`share_prefix` (the default path): attention layers hand their keys/values to ONE `SharedPrefix`
+and keep nothing per row; only the linear-attention layers' small conv and recurrent states are
+copied per row. `replicate_cache` (the fallback for models not on SDPA attention): every layer is
+copied to n rows. `DynamicCache.batch_repeat_interleave` does not handle `LinearAttentionLayer`
+(Qwen3.5's Gated DeltaNet states), so the states are repeated here. The repeats are real copies:
+the linear-attention layers update their states in place.
 """
 
 from __future__ import annotations
@@ -11,14 +15,36 @@ from typing import Any
 
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+from semif_serve.scoring.prefix_attention import SharedPrefix, SuffixOnlyLayer
+
+
+def can_share_prefix(cache: Any) -> bool:
+    """True when every layer is plain attention or linear attention (no sliding windows etc.)."""
+    return all(_kind(layer) is not None for layer in cache.layers)
+
+
+def share_prefix(cache: Any, rows: int) -> SharedPrefix:
+    """Move the attention layers' prefix keys/values into a `SharedPrefix`, in place, leaving
+    suffix-only layers behind; copy the linear-attention states to `rows` rows."""
+    shared = SharedPrefix()
+    for index, layer in enumerate(cache.layers):
+        kind = _kind(layer)
+        if kind == "attention":
+            shared.keys[index], shared.values[index] = layer.keys, layer.values
+            cache.layers[index] = SuffixOnlyLayer()
+        elif kind == "linear":
+            _repeat_linear_states(layer, rows)
+        else:
+            raise TypeError(f"cannot share cache layer {index} of type {type(layer).__name__}")
+    return shared
+
 
 def replicate_cache(cache: Any, rows: int) -> None:
     """Turn a cache holding one sequence into one holding `rows` identical sequences, in place."""
     for index, layer in enumerate(cache.layers):
         known = False
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            _repeat_states(layer.conv_states, rows)
-            _repeat_states(layer.recurrent_states, rows)
+            _repeat_linear_states(layer, rows)
             known = True
         if isinstance(layer, DynamicLayer):
             DynamicLayer.batch_repeat_interleave(layer, rows)
@@ -27,7 +53,16 @@ def replicate_cache(cache: Any, rows: int) -> None:
             raise TypeError(f"cannot replicate cache layer {index} of type {type(layer).__name__}")
 
 
-def _repeat_states(states: dict[int, Any], rows: int) -> None:
-    for key, tensor in states.items():
-        if tensor is not None:
-            states[key] = tensor.repeat_interleave(rows, dim=0)
+def _kind(layer: Any) -> str | None:
+    if type(layer) is DynamicLayer:
+        return "attention"
+    if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicLayer):
+        return "linear"
+    return None
+
+
+def _repeat_linear_states(layer: Any, rows: int) -> None:
+    for states in (layer.conv_states, layer.recurrent_states):
+        for key, tensor in states.items():
+            if tensor is not None:
+                states[key] = tensor.repeat_interleave(rows, dim=0)

@@ -87,6 +87,15 @@ def encode(tokenizer: ChatTokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def encode_many(tokenizer: ChatTokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's token ids, as `encode` gives them; one batch call (transformers tokenizers
+    encode a batch in parallel) when the tokenizer is callable, else one call per text."""
+    if len(texts) > 1 and callable(tokenizer):
+        batch = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [list(ids) for ids in batch]
+    return [encode(tokenizer, text) for text in texts]
+
+
 def letter_token_ids(tokenizer: ChatTokenizer, count: int) -> list[int]:
     """Token ids of the first `count` letters: one token each, all distinct, each decoding back."""
     letters = LETTERS[:count]
@@ -111,14 +120,25 @@ def letter_token_ids(tokenizer: ChatTokenizer, count: int) -> list[int]:
 
 
 def check_answer_boundary(
-    tokenizer: ChatTokenizer, text: str, ids: list[int], letter_ids: list[int]
+    tokenizer: ChatTokenizer, texts: list[str], ids: list[list[int]], letter_ids: list[list[int]]
 ) -> None:
-    """The answer letter must be a token of its own after the prompt, never merged into it."""
-    for letter, letter_id in zip(LETTERS, letter_ids):
-        if encode(tokenizer, text + letter) != ids + [letter_id]:
+    """The answer letter must be a token of its own after each prompt, never merged into it.
+
+    texts[i] encodes to ids[i]; letter_ids[i] are its options' letter tokens. Raises
+    `PromptRejected` with `row_index` i for the first prompt that fails.
+    """
+    probes = [
+        (index, letter, letter_id)
+        for index, row_letters in enumerate(letter_ids)
+        for letter, letter_id in zip(LETTERS, row_letters)
+    ]
+    encoded = encode_many(tokenizer, [texts[index] + letter for index, letter, _ in probes])
+    for (index, letter, letter_id), with_letter in zip(probes, encoded):
+        if with_letter != ids[index] + [letter_id]:
             raise PromptRejected(
                 f"answer boundary guard: prompt + {letter!r} does not encode as the prompt's "
-                "tokens followed by the letter's token"
+                "tokens followed by the letter's token",
+                row_index=index,
             )
 
 
@@ -132,9 +152,43 @@ def check_length(ids: list[int], max_tokens: int) -> None:
 
 def encode_prompt(tokenizer: ChatTokenizer, row: Row, max_tokens: int) -> EncodedPrompt:
     """Render and encode the row's prompt, applying every guard."""
-    text = render(tokenizer, row)
-    ids = encode(tokenizer, text)
-    check_length(ids, max_tokens)
-    letter_ids = letter_token_ids(tokenizer, len(row.options))
-    check_answer_boundary(tokenizer, text, ids, letter_ids)
-    return EncodedPrompt(text=text, ids=ids, letter_token_ids=letter_ids)
+    try:
+        return encode_prompts(tokenizer, [row], max_tokens)[0]
+    except PromptRejected as error:
+        raise PromptRejected(str(error)) from None
+
+
+def encode_prompts(
+    tokenizer: ChatTokenizer, rows: list[Row], max_tokens: int
+) -> list[EncodedPrompt]:
+    """Render and encode many rows' prompts with every guard, tokenizing each stage in one batch.
+
+    A failure is a `PromptRejected` whose `row_index` is the row's position: the first guard (in
+    the order render, length, letters, answer boundary) that any row fails, first row first.
+    """
+    texts = []
+    for index, row in enumerate(rows):
+        texts.append(_with_index(index, render, tokenizer, row))
+    ids = encode_many(tokenizer, texts)
+    for index, row_ids in enumerate(ids):
+        _with_index(index, check_length, row_ids, max_tokens)
+    letters_by_count: dict[int, list[int]] = {}
+    letter_ids = []
+    for index, row in enumerate(rows):
+        count = len(row.options)
+        if count not in letters_by_count:
+            letters_by_count[count] = _with_index(index, letter_token_ids, tokenizer, count)
+        letter_ids.append(letters_by_count[count])
+    check_answer_boundary(tokenizer, texts, ids, letter_ids)
+    return [
+        EncodedPrompt(text=text, ids=row_ids, letter_token_ids=row_letters)
+        for text, row_ids, row_letters in zip(texts, ids, letter_ids)
+    ]
+
+
+def _with_index(index: int, check, *args):
+    """Run one guard for row `index`; its rejection carries the row's position."""
+    try:
+        return check(*args)
+    except PromptRejected as error:
+        raise PromptRejected(str(error), row_index=index) from None

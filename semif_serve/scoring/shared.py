@@ -17,20 +17,22 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from time import perf_counter
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from semif_serve.scoring.cache import replicate_cache
+from semif_serve.scoring.cache import can_share_prefix, replicate_cache, share_prefix
 from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_attention
 from semif_serve.scoring.prompt import (
     ChatTokenizer,
     EncodedPrompt,
     PromptRejected,
     encode,
-    encode_prompt,
+    encode_prompts,
     state_head,
     user_message,
 )
@@ -38,6 +40,7 @@ from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import InvalidRow, Row, as_row
 
 SERVING_CONFIG = "native-state-prefix-parallel-v1"
+PACKED_CHUNK_TOKENS = 256
 
 
 def score_shared(
@@ -47,7 +50,7 @@ def score_shared(
     started = perf_counter()
     parsed = check_shared_rows(_parse_rows(rows))
     tokenizer = scoring_model.tokenizer
-    prompts = [_encode_row(tokenizer, index, row, max_tokens) for index, row in enumerate(parsed)]
+    prompts = _encode_rows(tokenizer, parsed, max_tokens)
     prefix_ids = shared_prefix(state_prefix_ids(tokenizer, parsed[0], prompts[0].text), prompts)
     encode_seconds = perf_counter() - started
 
@@ -110,10 +113,11 @@ def check_shared_rows(rows: list[Row]) -> list[Row]:
     return rows
 
 
-def _encode_row(tokenizer: ChatTokenizer, index: int, row: Row, max_tokens: int) -> EncodedPrompt:
+def _encode_rows(tokenizer: ChatTokenizer, rows: list[Row], max_tokens: int) -> list[EncodedPrompt]:
     try:
-        return encode_prompt(tokenizer, row, max_tokens)
+        return encode_prompts(tokenizer, rows, max_tokens)
     except PromptRejected as error:
+        index = error.row_index
         raise PromptRejected(f"rows[{index}]: {error}", row_index=index) from None
 
 
@@ -152,46 +156,59 @@ def _common_length(left: list[int], right: list[int]) -> int:
 def _forward(
     model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt]
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """Prefill once, replicate, one right-padded suffix batch; letter logits per row (CPU)."""
+    """Prefill once; the suffixes as one right-padded batch over it; letter logits per row (CPU).
+
+    Right padding keeps every row exact: a row's real tokens never see its padding (attention is
+    causal and the recurrent layers run left to right), and each row is read at its last real
+    token. Position ids continue from the prefix in every row.
+    """
     device = model.device
     rows = len(prompts)
     prefix_length = len(prefix_ids)
     suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
-    longest = max(len(suffix) for suffix in suffixes)
-
+    lengths = torch.tensor([len(suffix) for suffix in suffixes], dtype=torch.long)
+    longest = int(lengths.max())
     suffix_ids = torch.zeros((rows, longest), dtype=torch.long)
-    attention_mask = torch.zeros((rows, prefix_length + longest), dtype=torch.long)
-    attention_mask[:, :prefix_length] = 1
     for index, suffix in enumerate(suffixes):
         suffix_ids[index, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
-        attention_mask[index, prefix_length : prefix_length + len(suffix)] = 1
     position_ids = (torch.arange(longest, dtype=torch.long) + prefix_length).expand(rows, -1)
-    last_real = torch.tensor([len(suffix) - 1 for suffix in suffixes], dtype=torch.long)
+    real = torch.arange(longest)[None, :] < lengths[:, None]  # (rows, longest): not padding
 
     base_model = model.get_decoder()
     output_embeddings = model.get_output_embeddings()
+    sharing = enable_prefix_attention(model)
     with torch.inference_mode():
         prefill_started = perf_counter()
         cache = _prefill(base_model, model.config, prefix_ids, device)
-        replicate_started = perf_counter()
-        replicate_cache(cache, rows)
+        layout_started = perf_counter()
+        if sharing and can_share_prefix(cache):
+            # One prefix copy for every row; the mask covers each row's own suffix keys only.
+            attending = attending_to(share_prefix(cache, rows))
+            causal = torch.ones((longest, longest), dtype=torch.bool).tril()
+            attention_mask = (causal[None] & real[:, None, :])[:, None]
+        else:
+            attending = nullcontext()
+            replicate_cache(cache, rows)
+            prefix_mask = torch.ones((rows, prefix_length), dtype=torch.long)
+            attention_mask = torch.cat([prefix_mask, real.long()], dim=1)
         _synchronize(device)
         suffix_started = perf_counter()
-        hidden = base_model(
-            input_ids=suffix_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device),
-            cache=cache,
-            use_cache=True,
-        ).last_hidden_state
-        last_hidden = hidden[torch.arange(rows, device=device), last_real.to(device)]
+        with attending:
+            hidden = base_model(
+                input_ids=suffix_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                position_ids=position_ids.to(device),
+                cache=cache,
+                use_cache=True,
+            ).last_hidden_state
+        last_hidden = hidden[torch.arange(rows, device=device), (lengths - 1).to(device)]
         logits = output_embeddings(last_hidden).float()
         letter_logits = _letter_logits(logits, prompts, device)
         suffix_seconds = perf_counter() - suffix_started
     del cache, hidden, logits
     return letter_logits, {
-        "prefill_seconds": replicate_started - prefill_started,
-        "replicate_seconds": suffix_started - replicate_started,
+        "prefill_seconds": layout_started - prefill_started,
+        "replicate_seconds": suffix_started - layout_started,
         "suffix_forward_seconds": suffix_seconds,
         "padded_suffix_tokens": rows * longest,
     }
@@ -218,18 +235,70 @@ def is_pure_attention(model: Any) -> bool:
 def _forward_packed(
     model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt]
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """Attention-only models: all suffixes packed into ONE row after ONE prefix cache.
+    """Attention-only models: suffixes packed into rows after ONE prefix cache, a chunk at a time.
 
     A block mask lets each suffix token see the prefix and its own suffix's earlier tokens only,
     and position ids restart at the prefix length for every suffix, so each row computes exactly
-    what its direct prompt would. Nothing is replicated and nothing is padded: memory per extra
-    row no longer grows with the prefix length.
+    what its direct prompt would. Nothing is replicated and nothing is padded. Rows are packed in
+    chunks of about `PACKED_CHUNK_TOKENS`: a packed token also scores (then masks) the other
+    suffixes of its chunk, so smaller chunks waste less attention and larger ones make fewer
+    forward calls. After each chunk the cache is cut back to the prefix.
     """
     device = model.device
     prefix_length = len(prefix_ids)
     suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
+    base_model = model.get_decoder()
+    output_embeddings = model.get_output_embeddings()
+    last_hidden = []
+    with torch.inference_mode():
+        prefill_started = perf_counter()
+        cache = _prefill(base_model, model.config, prefix_ids, device)
+        prefix_layers = [(layer.keys, layer.values) for layer in cache.layers]
+        suffix_started = perf_counter()
+        for chunk in _chunks(suffixes, PACKED_CHUNK_TOKENS):
+            ids, mask, positions, last = _packed_inputs(chunk, prefix_length, model.dtype)
+            hidden = base_model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
+                cache=cache,
+                use_cache=True,
+            ).last_hidden_state
+            last_hidden.append(hidden[0, last.to(device)])
+            for layer, (keys, values) in zip(cache.layers, prefix_layers):
+                layer.keys, layer.values = keys, values
+        logits = output_embeddings(torch.cat(last_hidden)).float()
+        letter_logits = _letter_logits(logits, prompts, device)
+        suffix_seconds = perf_counter() - suffix_started
+    del cache, prefix_layers, hidden, logits
+    return letter_logits, {
+        "prefill_seconds": suffix_started - prefill_started,
+        "replicate_seconds": 0.0,
+        "suffix_forward_seconds": suffix_seconds,
+        "padded_suffix_tokens": sum(len(suffix) for suffix in suffixes),  # nothing is padded
+    }
+
+
+def _chunks(suffixes: list[list[int]], tokens: int) -> list[list[list[int]]]:
+    """Consecutive runs of suffixes of about `tokens` tokens each (at least one suffix each)."""
+    chunks: list[list[list[int]]] = [[]]
+    size = 0
+    for suffix in suffixes:
+        if chunks[-1] and size + len(suffix) > tokens:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(suffix)
+        size += len(suffix)
+    return chunks
+
+
+def _packed_inputs(
+    suffixes: list[list[int]], prefix_length: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row: token ids, the block mask over prefix + row, position ids, last indices."""
     lengths = [len(suffix) for suffix in suffixes]
     total = sum(lengths)
+    ids = torch.tensor([[token for suffix in suffixes for token in suffix]], dtype=torch.long)
     positions = torch.cat([torch.arange(length) for length in lengths]) + prefix_length
     allowed = torch.zeros((total, prefix_length + total), dtype=torch.bool)
     allowed[:, :prefix_length] = True
@@ -239,35 +308,9 @@ def _forward_packed(
         own = slice(prefix_length + start, prefix_length + start + length)
         allowed[block, own] = torch.ones((length, length), dtype=torch.bool).tril()
         start += length
-    dtype = model.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    last_real = torch.tensor(lengths).cumsum(0) - 1
-
-    base_model = model.get_decoder()
-    output_embeddings = model.get_output_embeddings()
-    with torch.inference_mode():
-        prefill_started = perf_counter()
-        cache = _prefill(base_model, model.config, prefix_ids, device)
-        suffix_started = perf_counter()
-        hidden = base_model(
-            input_ids=torch.tensor(
-                [[token for suffix in suffixes for token in suffix]], device=device
-            ),
-            attention_mask=mask[None, None].to(device),
-            position_ids=positions[None].to(device),
-            cache=cache,
-            use_cache=True,
-        ).last_hidden_state
-        logits = output_embeddings(hidden[0, last_real.to(device)]).float()
-        letter_logits = _letter_logits(logits, prompts, device)
-        suffix_seconds = perf_counter() - suffix_started
-    del cache, hidden, logits
-    return letter_logits, {
-        "prefill_seconds": suffix_started - prefill_started,
-        "replicate_seconds": 0.0,
-        "suffix_forward_seconds": suffix_seconds,
-        "padded_suffix_tokens": total,  # packed: nothing is padded
-    }
+    last = torch.tensor(lengths).cumsum(0) - 1
+    return ids, mask[None, None], positions[None], last
 
 
 def _letter_logits(
