@@ -201,6 +201,7 @@ def test_calibrate_fits_writes_and_merges_the_calibration_file(tmp_path, capsys)
     report = json.loads((tmp_path / "fit.json").read_text())
     assert report["temperature"] == expected
     assert report["groups"] == 8 and report["rows"] == 24
+    assert report["at_bound"] is (expected in (0.05, 20.0))
     assert report["after_out_of_fold"]["nll"] < report["before"]["nll"]
     assert "ECE" in captured.out and "quiz" in captured.out
 

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from semif_serve.config import ConfigError, load_calibration
+from semif_serve.config import MAX_TEMPERATURE, MIN_TEMPERATURE, ConfigError, load_calibration
 from semif_serve.quality.evaluate import Prediction
 from semif_serve.quality.labelled import LabelledRow
 from semif_serve.quality.temperature import (
@@ -48,6 +48,9 @@ def fit_report(rows: list[LabelledRow], predictions: list[Prediction]) -> dict[s
     native = probabilities(logits)
     return {
         "temperature": temperature,
+        # At a bound the optimum lies beyond what the server accepts: at 20 the scores carry
+        # almost no information about the answer, at 0.05 they are far too timid.
+        "at_bound": temperature in (MIN_TEMPERATURE, MAX_TEMPERATURE),
         "rows": len(rows),
         "groups": len(set(groups)),
         "ece_bins": ECE_BINS,
@@ -108,8 +111,9 @@ def write_calibration(path: Path, workload: str, temperature: float) -> dict[str
 def markdown(report: dict[str, Any], workload: str) -> str:
     before, after = report["before"], report["after_out_of_fold"]
     low, high = after["fold_temperature_range"]
+    bound = " (at the bound of [0.05, 20])" if report["at_bound"] else ""
     return (
-        f"Workload {workload!r}: T = {report['temperature']} over {report['rows']} rows "
+        f"Workload {workload!r}: T = {report['temperature']}{bound} over {report['rows']} rows "
         f"in {report['groups']} groups (leave-one-group-out T {low:.3f} .. {high:.3f}).\n\n"
         "| | ECE ({bins} bins) | NLL |\n|---|---|---|\n"
         f"| native (T = 1) | {before['ece']:.4f} | {before['nll']:.4f} |\n"
