@@ -1,6 +1,7 @@
 """One measurement in a fresh process: peak RSS of one shared call (for bench/test_capacity.py).
 
-Usage: python bench/capacity_probe.py MODEL PREFIX_TOKENS ROWS LAYOUT   (LAYOUT: packed|replicated)
+Usage: python bench/capacity_probe.py MODEL PREFIX_TOKENS ROWS LAYOUT
+(LAYOUT: packed|shared-prefix|replicated)
 Prints {"peak_rss_bytes": ..., "baseline_rss_bytes": ...}. ru_maxrss only grows, so each
 measurement needs its own process.
 """
@@ -32,8 +33,10 @@ def main() -> None:
         sys.argv[4],
     )
     model = load_model(source)
-    if layout == "replicated":
+    if layout in ("shared-prefix", "replicated"):  # the hybrid-model path, and its fallback
         shared_module.is_pure_attention = lambda model: False
+    if layout == "replicated":
+        shared_module.enable_prefix_attention = lambda model: False
     [group] = make_workload(model.tokenizer, 1, rows, prefix_tokens)
     score_shared(model, group[:1], max_tokens=16384)  # warm every code path at one row
     baseline = rss_peak()

@@ -1,5 +1,7 @@
-"""Memory per extra row of a shared call at several prefix lengths, packed vs replicated, and how
-many rows fit a budget. Each point is a fresh process (peak RSS only grows)."""
+"""Memory per extra row of a shared call at several prefix lengths, in the three layouts (packed:
+attention-only models; shared-prefix: hybrid models; replicated: the fallback that copies the
+prefix per row), and how many rows fit a budget. Each point is a fresh process (peak RSS only
+grows)."""
 
 import json
 import subprocess
@@ -32,7 +34,7 @@ def test_memory_per_row_by_prefix_length(bench_model, tmp_path):
         bench_model.tokenizer.save_pretrained(source)
         prefixes, rows = (140,), 4
     figures = {}
-    for layout in ("packed", "replicated"):
+    for layout in ("packed", "shared-prefix", "replicated"):
         for prefix in prefixes:
             one = probe(source, prefix, 1, layout)
             many = probe(source, prefix, rows, layout)
@@ -43,13 +45,14 @@ def test_memory_per_row_by_prefix_length(bench_model, tmp_path):
                 "rows_fitting_budget": int(headroom // per_row) + 1 if per_row else None,
             }
     largest = prefixes[-1]
-    packed = figures[f"packed@{largest}"]["mib_per_extra_row"]
+    one_copy = ("packed", "shared-prefix")
+    shared = max(figures[f"{layout}@{largest}"]["mib_per_extra_row"] for layout in one_copy)
     replicated = figures[f"replicated@{largest}"]["mib_per_extra_row"]
     report(
         "capacity",
-        f"memory per extra row, packed layout, {largest}-token prefix",
+        f"memory per extra row, one prefix copy (packed or shared-prefix), {largest}-token prefix",
         "the replicated layout (a prefix copy per row)",
-        packed / replicated if replicated else 0.0,
+        shared / replicated if replicated else 0.0,
         budget_gib=BUDGET_GIB,
         points=figures,
     )

@@ -1,0 +1,30 @@
+"""bench/gpu/run.py, the GPU suites, runs end to end in its --smoke mode (tiny Qwen3.5, CPU), so
+the script a GPU host runs cannot rot unnoticed on machines without a GPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchlib import FULL
+
+SCRIPT = Path(__file__).parent / "gpu" / "run.py"
+
+
+@pytest.mark.skipif(FULL, reason="make bench measures the CPU; GPU figures come from run.sh")
+def test_the_gpu_suites_run_and_report_every_figure():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    document = json.loads(done.stdout)
+    [run] = document["runs"].values()
+    assert run["kernels"] == "reference"
+    fresh_vs_shared = run["fresh_vs_shared"]
+    assert fresh_vs_shared["argmax_flips"] == 0
+    assert fresh_vs_shared["max_probability_difference"] <= 1e-5
+    assert fresh_vs_shared["shared_decisions_per_s"] > 0 and fresh_vs_shared["speedup"] > 0
+    assert run["decide_2k"]["scorer_s"]["n"] == 2
+    assert run["shared_criteria_and_rotations"]["rotations_cost"] > 0
+    assert "skipped" in run["capacity"]  # peak memory is measured on CUDA only
