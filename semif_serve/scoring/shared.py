@@ -40,7 +40,7 @@ from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import InvalidRow, Row, as_row
 
 SERVING_CONFIG = "native-state-prefix-parallel-v1"
-PACKED_CHUNK_TOKENS = 256
+PACKED_CHUNK_TOKENS = 512
 
 
 def score_shared(
