@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test bench lint clean
+.PHONY: serve test bench lint clean mutation
 
 # The built-in SmolLM2-135M on the CPU at 127.0.0.1:8471. Without SEMIF_API_TOKEN a random token
 # is kept in .semif-token (mode 0600) and printed with a curl example.
@@ -15,6 +15,11 @@ serve: $(INSTALLED)
 test: $(INSTALLED)
 	$(BIN)/ruff check semif_serve tests bench
 	$(BIN)/python -m pytest
+
+# Mutation grids (mutation/grids.toml): every guarded function's mutants must be killed by the fast
+# fake-scorer tests or be recorded in mutation/equivalent.toml. Rebuilds mutants/ from scratch.
+mutation: $(INSTALLED)
+	$(BIN)/python mutation/run
 
 # The full benchmarks on the built-in SmolLM2 (about 10 minutes on 2 cores); results go to
 # bench/results/<host>-<date>.json. `make test` runs every suite once on a tiny model.

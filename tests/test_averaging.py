@@ -209,3 +209,12 @@ def test_combine_is_the_renormalised_log_mean():
 def test_calibrated_divides_logits_by_the_temperature():
     block = calibrated({"option_logits": [2.0, 1.0, -1.0]}, "w", 4.0)
     assert block["probabilities"] == pytest.approx(softmax([0.5, 0.25, -0.25]), abs=1e-15)
+
+
+def test_ordering_permutations_refuses_with_a_precise_message():
+    with pytest.raises(ValueError) as too_many:
+        ordering_permutations(5, "all")
+    assert str(too_many.value) == "orderings 'all' is allowed for at most 4 options, got 5"
+    with pytest.raises(ValueError) as unknown:
+        ordering_permutations(3, "shuffle")
+    assert str(unknown.value) == "orderings must be one of none, rotations, all, got 'shuffle'"

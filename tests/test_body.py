@@ -4,8 +4,8 @@ import io
 
 import pytest
 
-from semif_serve.errors import BadRequest, RequestTooLarge
-from semif_serve.http.body import declared_length, read_body
+from semif_serve.errors import BadRequest, InvalidRequest, RequestTooLarge
+from semif_serve.http.body import declared_length, parse_json_object, read_body
 
 
 class Endless(io.RawIOBase):
@@ -17,6 +17,20 @@ class Endless(io.RawIOBase):
     def read(self, size=-1):
         self.asked.append(size)
         return b"x" * size
+
+
+class Trickle(io.RawIOBase):
+    """`total` bytes handed out at most `step` at a time; records how much was asked for."""
+
+    def __init__(self, total, step=100):
+        self.left, self.step = total, step
+        self.asked = []
+
+    def read(self, size=-1):
+        self.asked.append(size)
+        given = min(size, self.step, self.left)
+        self.left -= given
+        return b"z" * given
 
 
 def environ(stream, length=None):
@@ -32,6 +46,25 @@ def test_an_endless_upload_is_refused_after_at_most_limit_plus_one_bytes():
         read_body(environ(stream), limit=1000)
     assert sum(stream.asked) == 1001
     assert max(stream.asked) <= 1001
+
+
+def test_small_chunks_add_up_to_the_limit_and_no_read_asks_past_it():
+    stream = Trickle(total=2000)
+    with pytest.raises(RequestTooLarge, match="^the body is over the limit of 1000 bytes$"):
+        read_body(environ(stream), limit=1000)
+    received = 0
+    for asked in stream.asked:
+        assert asked == min(64 * 1024, 1000 - received + 1)
+        received += min(asked, 100)
+    assert received == 1001  # one byte past the limit was read, refused, never kept
+    assert read_body(environ(Trickle(total=1000)), limit=1000) == b"z" * 1000
+
+
+def test_a_declared_length_is_read_to_its_last_byte_and_no_further():
+    stream = Trickle(total=10, step=1)
+    assert read_body(environ(stream, "3"), limit=10) == b"zzz"
+    assert stream.asked == [3, 2, 1]  # never a read after the declared bytes arrived
+    assert read_body(environ(io.BytesIO(b"a"), "1"), limit=10) == b"a"
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_reading():
@@ -60,3 +93,23 @@ def test_a_content_length_that_is_not_ascii_digits_is_bad_request(length):
 def test_an_absent_content_length_means_read_to_the_end():
     assert declared_length({}) is None and declared_length({"CONTENT_LENGTH": ""}) is None
     assert declared_length({"CONTENT_LENGTH": "0"}) == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"\xff", "body: must be UTF-8 encoded JSON"),
+        (b"[1]", "body: must be a JSON object, got list"),
+        (b"null", "body: must be a JSON object, got NoneType"),
+        (b'{"a": NaN}', "body: not valid JSON: NaN is not valid JSON"),
+        (b'{"a": -Infinity}', "body: not valid JSON: -Infinity is not valid JSON"),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_is_invalid_with_a_precise_message(body, message):
+    with pytest.raises(InvalidRequest) as caught:
+        parse_json_object(body)
+    assert str(caught.value) == message
+
+
+def test_a_json_object_body_parses():
+    assert parse_json_object('{"é": [1, 2.5]}'.encode()) == {"é": [1, 2.5]}

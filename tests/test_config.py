@@ -38,13 +38,16 @@ def test_settings_are_frozen():
 @pytest.mark.parametrize(
     ("env", "variable"),
     [
-        ({"SEMIF_API_TOKEN": ""}, "SEMIF_API_TOKEN"),
+        ({"SEMIF_API_TOKEN": ""}, "SEMIF_API_TOKEN: required"),
         ({"SEMIF_API_TOKEN": "k" * 31}, "SEMIF_API_TOKEN: must be at least 32"),
         ({"SEMIF_API_TOKEN": "k" * 31 + " "}, "SEMIF_API_TOKEN: only visible ASCII"),
         ({"SEMIF_API_TOKEN": "k" * 32 + "\n"}, "SEMIF_API_TOKEN: only visible ASCII"),
         ({"SEMIF_API_TOKEN": "k" * 32 + "\r"}, "SEMIF_API_TOKEN: only visible ASCII"),
         ({"SEMIF_API_TOKEN": "k" * 32 + "\x00"}, "SEMIF_API_TOKEN: only visible ASCII"),
         ({"SEMIF_API_TOKEN": "k" * 32 + "é"}, "SEMIF_API_TOKEN: only visible ASCII"),
+        ({"SEMIF_API_TOKEN": "k" * 32 + "\x7f"}, "SEMIF_API_TOKEN: only visible ASCII"),
+        ({"SEMIF_ADMIN_TOKEN": "k" * 31}, "SEMIF_ADMIN_TOKEN: must be at least 32 characters, got 31"),
+        ({"SEMIF_ADMIN_TOKEN": "k" * 32 + "\n"}, "SEMIF_ADMIN_TOKEN: only visible ASCII"),
         ({"SEMIF_VRAM_CAP_GIB": "0"}, "SEMIF_VRAM_CAP_GIB: must be finite and > 0"),
         ({"SEMIF_VRAM_CAP_GIB": "-1"}, "SEMIF_VRAM_CAP_GIB"),
         ({"SEMIF_VRAM_CAP_GIB": "inf"}, "SEMIF_VRAM_CAP_GIB"),
@@ -62,6 +65,14 @@ def test_bad_values_name_their_variable(env, variable):
         settings(**env)
     assert str(caught.value).startswith(variable.split(":")[0])
     assert variable in str(caught.value)
+
+
+def test_the_visible_ascii_range_is_33_to_126_inclusive():
+    token = "!" * 16 + "~" * 16  # chr(33) and chr(126), the ends of the range
+    assert settings(SEMIF_API_TOKEN=token).api_token == token
+    admin = "~" * 40
+    assert settings(SEMIF_ADMIN_TOKEN=admin).admin_token == admin
+    assert settings().admin_token is None
 
 
 def test_the_token_is_required():
@@ -86,6 +97,7 @@ def test_limits_and_cap_are_parsed():
         SEMIF_BIND="0.0.0.0:9000",
     )
     assert (s.max_tokens, s.max_queue, s.vram_cap_gib, s.bind) == (1, 2, 6.5, "0.0.0.0:9000")
+    assert settings(SEMIF_VRAM_CAP_GIB="0.5").vram_cap_gib == 0.5  # any cap > 0, also under 1
 
 
 def write(tmp_path, content):
@@ -103,7 +115,7 @@ def test_a_calibration_file_loads(tmp_path):
     ("content", "fragment"),
     [
         ("{not json", "is not valid JSON"),
-        ('{"triage": NaN}', "is not valid JSON"),
+        ('{"triage": NaN}', "is not valid JSON: NaN is not a JSON number"),
         ("[1.0]", "must hold a JSON object"),
         ({"triage": "1.2"}, "must be a finite number"),
         ({"triage": True}, "must be a finite number"),
@@ -121,6 +133,11 @@ def test_a_bad_calibration_file_stops_startup(tmp_path, content, fragment):
     with pytest.raises(ConfigError, match="^SEMIF_CALIBRATION") as caught:
         settings(SEMIF_CALIBRATION=write(tmp_path, content))
     assert fragment in str(caught.value)
+
+
+def test_an_unreadable_calibration_file_stops_startup(tmp_path):
+    with pytest.raises(ConfigError, match="^SEMIF_CALIBRATION: cannot read .*Is a directory"):
+        settings(SEMIF_CALIBRATION=str(tmp_path))
 
 
 def test_a_missing_calibration_file_stops_startup(tmp_path):

@@ -2,7 +2,8 @@
 
 import pytest
 from fake_torch import GIB, MIB, FakeTorch
-from fakes import FakeScorer
+from fakes import WAIT_S, FakeScorer
+from runtime_fixtures import Background
 
 from semif_serve.engine import EMPTY_OOM_MESSAGE, RELEASE_MARGIN_BYTES, Engine
 from semif_serve.errors import OutOfMemory, ScoringFailed
@@ -154,3 +155,69 @@ def test_the_lock_is_released_after_a_failure_and_calls_never_overlap():
     scorer.error = None
     assert engine.score(ROW)["id"] == "a"
     assert scorer.max_active == 1
+
+
+class DeviceRecordingTorch(FakeTorch):
+    """Records which device every memory query named."""
+
+    def __init__(self):
+        super().__init__()
+        self.queried = []
+        measure = self.cuda.memory_reserved
+
+        def memory_reserved(device=None):
+            self.queried.append(device)
+            return measure(device)
+
+        self.cuda.memory_reserved = memory_reserved
+
+
+def test_memory_is_measured_on_the_engine_s_own_device():
+    torch = DeviceRecordingTorch()
+    engine = Engine(FakeScorer(), device="cuda:1", torch_module=torch)
+    engine.record_baseline()
+    engine.score(ROW)
+    assert torch.queried == ["cuda:1", "cuda:1"]
+
+
+def test_an_oom_logs_one_warning_with_the_first_line_of_its_message(caplog):
+    torch = FakeTorch()
+    message = "CUDA out of memory. Tried to allocate 2.00 GiB\nsee the allocator docs"
+    engine = gpu_engine(HoldingScorer(torch, lambda t: t.cuda.OutOfMemoryError(message)), torch)
+    with pytest.raises(OutOfMemory):
+        engine.score(ROW)
+    assert [r.getMessage() for r in caplog.records] == [
+        "out of memory during scoring: CUDA out of memory. Tried to allocate 2.00 GiB"
+    ]
+
+
+def test_a_failure_logs_its_whole_traceback_as_text(caplog):
+    import traceback
+
+    raised = []
+
+    def failure(torch):
+        raised.append(KeyError("kernel state"))
+        return raised[0]
+
+    torch = FakeTorch()
+    engine = gpu_engine(HoldingScorer(torch, failure), torch)
+    with pytest.raises(ScoringFailed, match=r"^scoring failed: KeyError: 'kernel state'$"):
+        engine.score(ROW)
+    [record] = caplog.records
+    expected = "".join(traceback.format_exception(raised[0])).rstrip()
+    assert record.getMessage() == "scorer call failed:\n" + expected
+    assert expected.startswith("Traceback") and record.exc_info is None
+
+
+def test_two_threads_never_run_the_scorer_at_once_by_default():
+    scorer = FakeScorer(block=True)
+    engine = Engine(scorer)
+    first = Background(lambda: engine.score(ROW))
+    assert scorer.entered.wait(WAIT_S)
+    scorer.entered.clear()
+    second = Background(lambda: engine.score(ROW))
+    assert not scorer.entered.wait(0.2), "a second call entered the scorer while one ran"
+    scorer.release.set()
+    first.result(), second.result()
+    assert scorer.max_active == 1 and len(scorer.calls) == 2

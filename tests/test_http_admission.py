@@ -4,8 +4,11 @@ import json
 import logging
 import threading
 
-from fakes import AUTH, TOKEN, WAIT_S, FakeScorer, fake_app, row
+import pytest
+from fakes import AUTH, TOKEN, WAIT_S, FakeScorer, decision, fake_app, row
 from falcon import testing
+
+from semif_serve.runtime.admission import InFlightLimit
 
 
 def client(scorer=None, **overrides):
@@ -69,7 +72,10 @@ def test_past_max_queue_the_next_post_is_429_before_its_body_is_read():
     result = testing.StartResponseMock()
     body = b"".join(app(environ, result))
     assert result.status.startswith("429")
-    assert json.loads(body)["error"]["code"] == "busy"
+    assert json.loads(body)["error"] == {
+        "code": "busy",
+        "message": "1 requests are already in progress; retry later",
+    }
     assert SpyStream.read_calls == 0
     assert api.simulate_get("/health").status_code == 200  # GETs are not counted
     scorer.release.set()
@@ -131,3 +137,25 @@ def test_the_token_is_compared_in_constant_time(monkeypatch):
     api, _ = client()
     assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
     assert compared == [(TOKEN.encode(), TOKEN.encode())]
+
+
+def test_release_without_acquire_is_a_programming_error():
+    limit = InFlightLimit(1)
+    with pytest.raises(RuntimeError, match=r"^InFlightLimit.release\(\) without a matching acquire\(\)$"):
+        limit.release()
+    limit.acquire()
+    limit.release()
+    assert limit.in_flight == 0
+
+
+def test_the_log_counts_every_row_an_averaged_or_shared_request_scored(caplog):
+    api, _ = client()
+    shared = {"state": "s", "decisions": [decision("a"), decision("b", orderings="rotations")]}
+    with caplog.at_level(logging.INFO, logger="semif_serve.access"):
+        api.simulate_post("/decide", json=row(orderings="rotations"), headers=AUTH)
+        api.simulate_post("/decide/shared", json=shared, headers=AUTH)
+    records = [json.loads(record.getMessage()) for record in caplog.records]
+    assert [(r["route"], r["status"], r["decisions"]) for r in records] == [
+        ("/decide", 200, 2),
+        ("/decide/shared", 200, 3),
+    ]

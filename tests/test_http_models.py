@@ -3,7 +3,7 @@
 import pytest
 from fakes import AUTH, FakeScorer, row, settings
 from falcon import testing
-from runtime_fixtures import Factory, Held, spec
+from runtime_fixtures import Background, Factory, Held, spec
 
 from semif_serve.http import create_app
 from semif_serve.runtime.registry import Runtime
@@ -83,6 +83,9 @@ def test_management_without_the_admin_token_is_403(admin_token):
         api.simulate_post("/v1/models/unload", json={"ids": ["a"]}, headers=AUTH),
     ]
     assert [code(c) for c in calls] == [(403, "forbidden")] * 3
+    assert {c.json["error"]["message"] for c in calls} == {
+        "model management needs the admin token (SEMIF_ADMIN_TOKEN)"
+    }
     assert factory.events == [("load", "a")]
     if admin_token is None:  # unset: nobody manages, and the admin bearer is just a wrong token
         assert api.simulate_post("/v1/models/a/unload", headers=ADMIN_AUTH).status_code == 401
@@ -115,12 +118,21 @@ def test_the_admin_registers_unloads_and_bulk_unloads():
 
 
 def test_management_calls_do_not_count_toward_max_queue():
-    api, rt, _ = client(max_queue=1)
+    api, rt, factory = client(max_queue=1)
     holder = Held(rt, "b")
     assert holder.admitted.wait(10)
     assert api.simulate_get("/v1/models", headers=AUTH).status_code == 200
     assert api.simulate_post("/v1/models/a/unload", headers=ADMIN_AUTH).status_code == 200
     holder.finish()
+    # With the one POST slot taken by a scoring request, management still gets through.
+    scorer = factory.engines["b"].scorer
+    scorer.release.clear()
+    scoring = Background(lambda: api.simulate_post("/decide", json=row(model="b"), headers=AUTH))
+    assert scorer.entered.wait(10)
+    assert code(api.simulate_post("/decide", json=row(model="b"), headers=AUTH)) == (429, "busy")
+    assert api.simulate_post("/v1/models/a/unload", headers=ADMIN_AUTH).status_code == 200
+    scorer.release.set()
+    assert scoring.result().status_code == 200
 
 
 def test_health_reports_the_loaded_default_model():

@@ -39,3 +39,31 @@ def test_without_semif_serve_the_probe_sees_the_environment():
     assert run_python(
         PROBE.replace("os.environ['TRANSFORMERS_OFFLINE'], ", ""), HF_HUB_OFFLINE="0"
     ) == ["0", "False"]
+
+
+def test_force_offline_sets_both_variables_and_corrects_an_imported_hub(monkeypatch):
+    # In-process, so the mutation grid reaches it (the subprocesses above import the installed copy).
+    import os
+    from types import SimpleNamespace
+
+    from semif_serve.offline import force_offline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    hub = SimpleNamespace(HF_HUB_OFFLINE=False)
+    monkeypatch.setitem(sys.modules, "huggingface_hub.constants", hub)
+    force_offline()
+    assert (os.environ["HF_HUB_OFFLINE"], os.environ["TRANSFORMERS_OFFLINE"]) == ("1", "1")
+    assert hub.HF_HUB_OFFLINE is True
+
+
+def test_force_offline_without_the_hub_imported_only_sets_the_variables(monkeypatch):
+    import os
+
+    from semif_serve.offline import force_offline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delitem(sys.modules, "huggingface_hub.constants", raising=False)
+    force_offline()
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert "huggingface_hub.constants" not in sys.modules

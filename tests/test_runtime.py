@@ -100,6 +100,7 @@ def test_a_queued_request_past_its_timeout_gets_server_busy_and_leaves_the_queue
     assert holder.admitted.wait(WAIT_S)
     late = Held(rt, "a").finish()  # the timeout ends it; the holder still runs
     assert isinstance(late.error, QueueTimedOut)
+    assert str(late.error) == "waited 0.05 s for model 'a'"
     assert queued(rt) == 0
     holder.finish()
 
@@ -135,6 +136,7 @@ def test_a_manager_waits_for_earlier_requests_and_later_requests_cannot_barge_pa
     later = Held(rt, "a")  # three slots are free, but the manager is ahead
     wait_until(lambda: queued(rt) == 2)
     assert not unload.done.is_set() and not later.admitted.is_set()
+    assert rt.entry("a").status()["queued_requests"] == 1  # the manager is not a request
     earlier.finish()
     assert unload.result() == {"id": "a", "loaded": False}
     assert later.admitted.wait(WAIT_S)  # then reloads

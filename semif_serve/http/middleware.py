@@ -95,6 +95,5 @@ class Admission:
             req.context.admitted = True
 
     def process_response(self, req, resp, resource, req_succeeded) -> None:
-        if req.context.get("admitted"):
-            req.context.admitted = False
+        if req.context.pop("admitted", False):  # taken once: a request releases once
             self.limit.release()

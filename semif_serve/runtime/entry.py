@@ -39,7 +39,7 @@ class QueueTimeout(Exception):
 
 @dataclass(eq=False)
 class _Waiter:
-    kind: str  # "request" or "manager"
+    is_request: bool  # else a manager
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -66,7 +66,7 @@ class ModelEntry:
                 "loaded": self.state == READY,
                 "slots": self.spec.slots,
                 "active_slots": self._active,
-                "queued_requests": sum(1 for w in self._queue if w.kind == "request"),
+                "queued_requests": sum(1 for w in self._queue if w.is_request),
                 "max_parallel_slots": self.capacity,
                 "source": self.spec.source,
                 "revision": self.spec.revision,
@@ -83,7 +83,7 @@ class ModelEntry:
 
     def acquire(self, timeout: float | None, load: Callable[[ModelEntry], None]) -> Any:
         """Wait for a slot (FIFO), load the model if needed, and return its engine."""
-        waiter = _Waiter("request")
+        waiter = _Waiter(is_request=True)
         with self._cond:
             self._queue.append(waiter)
             self._wait_for(waiter, timeout, self._request_may_enter)
@@ -137,7 +137,7 @@ class ModelEntry:
 
     def enqueue_manager(self) -> _Waiter:
         """Publish a manager's barrier: from now on, later requests queue behind it."""
-        waiter = _Waiter("manager")
+        waiter = _Waiter(is_request=False)
         with self._cond:
             self._queue.append(waiter)
         return waiter

@@ -72,7 +72,7 @@ class DecisionService:
         }
 
     def decide(self, body: dict[str, Any]) -> Outcome:
-        _check_keys(body, DECIDE_KEYS, "")
+        _check_keys(body, DECIDE_KEYS, "body")
         workload = self._workload(body)
         decision = _decision(body, "")
         _check_workload_without_orderings(workload, [decision])
@@ -87,7 +87,7 @@ class DecisionService:
         return Outcome(_building(lambda: _assemble([decision], results)[0]), len(results))
 
     def decide_shared(self, body: dict[str, Any]) -> Outcome:
-        _check_keys(body, SHARED_KEYS, "")
+        _check_keys(body, SHARED_KEYS, "body")
         workload = self._workload(body)
         if "state" not in body:
             raise InvalidRequest("state: missing")
@@ -162,7 +162,7 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str], where: str) -> No
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise InvalidRequest(
-            f"{where or 'body'}: unknown keys {unknown}; allowed: {', '.join(sorted(allowed))}"
+            f"{where}: unknown keys {unknown}; allowed: {', '.join(sorted(allowed))}"
         )
 
 
