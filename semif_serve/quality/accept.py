@@ -74,6 +74,7 @@ class Acceptance:
         self._clock = clock or now
         self._progress = progress or sys.stderr
         self._runs: dict[str, dict[str, dict[str, Any]]] = {}
+        self.floor: float | None = None  # the A-vs-A max gap, once the noise floor has run
 
     def run(self) -> dict[str, Any]:
         """Every check, in order; a server that cannot be reached raises ServiceError."""
@@ -222,8 +223,7 @@ class Acceptance:
         )
 
     def shared_vs_direct(self) -> Check:
-        floor = getattr(self, "floor", None)
-        tolerance = max(self.tolerance, floor or 0.0)
+        tolerance = max(self.tolerance, self.floor or 0.0)
         comparison = compare_runs(self._direct("A"), self._shared(), tolerance)
         passed = comparison.agreeing == comparison.rows
         return Check(
