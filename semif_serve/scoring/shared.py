@@ -316,13 +316,14 @@ def _packed_inputs(
 def _letter_logits(
     logits: torch.Tensor, prompts: list[EncodedPrompt], device
 ) -> list[torch.Tensor]:
-    """Each row's option-letter logits, in option order, on the CPU."""
-    return [
-        logits[index]
-        .index_select(0, torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=device))
-        .cpu()
-        for index, prompt in enumerate(prompts)
-    ]
+    """Each row's option-letter logits, in option order, on the CPU: one gather and one copy to
+    the CPU for all rows (a per-row read would wait on the device once per row)."""
+    counts = [len(prompt.letter_token_ids) for prompt in prompts]
+    widest = max(counts)
+    padded = [ids + [0] * (widest - len(ids)) for ids in (p.letter_token_ids for p in prompts)]
+    letters = torch.tensor(padded, dtype=torch.long, device=device)
+    gathered = logits.gather(1, letters).cpu()
+    return [gathered[row, :count] for row, count in enumerate(counts)]
 
 
 def _synchronize(device: torch.device) -> None:
