@@ -21,7 +21,7 @@ test: $(INSTALLED)
 mutation: $(INSTALLED)
 	$(BIN)/python mutation/run
 
-# The full benchmarks on the built-in SmolLM2 (about 10 minutes on 2 cores); results go to
+# The full benchmarks on the built-in SmolLM2 (about 13 minutes on 2 cores); results go to
 # bench/results/<host>-<date>.json. `make test` runs every suite once on a tiny model.
 bench: $(INSTALLED)
 	SEMIF_BENCH_SIZE=full $(BIN)/python -m pytest bench -s --benchmark-enable
