@@ -194,13 +194,7 @@ def _forward(
         _synchronize(device)
         suffix_started = perf_counter()
         with attending:
-            hidden = base_model(
-                input_ids=suffix_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                position_ids=position_ids.to(device),
-                cache=cache,
-                use_cache=True,
-            ).last_hidden_state
+            hidden = _continue(base_model, cache, suffix_ids, attention_mask, position_ids)
         last_hidden = hidden[torch.arange(rows, device=device), (lengths - 1).to(device)]
         logits = output_embeddings(last_hidden).float()
         letter_logits = _letter_logits(logits, prompts, device)
@@ -224,6 +218,24 @@ def _prefill(base_model: Any, config: Any, prefix_ids: list[int], device: torch.
     )
     _synchronize(device)
     return cache
+
+
+def _continue(
+    base_model: Any,
+    cache: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The decoder's last hidden states for tokens that continue the cached prefix."""
+    device = base_model.device
+    return base_model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        cache=cache,
+        use_cache=True,
+    ).last_hidden_state
 
 
 def is_pure_attention(model: Any) -> bool:
@@ -257,13 +269,7 @@ def _forward_packed(
         suffix_started = perf_counter()
         for chunk in _chunks(suffixes, PACKED_CHUNK_TOKENS):
             ids, mask, positions, last = _packed_inputs(chunk, prefix_length, model.dtype)
-            hidden = base_model(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
-                cache=cache,
-                use_cache=True,
-            ).last_hidden_state
+            hidden = _continue(base_model, cache, ids, mask, positions)
             last_hidden.append(hidden[0, last.to(device)])
             for layer, (keys, values) in zip(cache.layers, prefix_layers):
                 layer.keys, layer.values = keys, values
