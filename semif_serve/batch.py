@@ -34,24 +34,34 @@ class NumberedRow:
 
 def read_rows(path: Path) -> list[NumberedRow]:
     """Parse and validate every nonblank line of a JSONL file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BatchInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise BatchInputError(f"{path}: cannot read: {error}") from None
     rows = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for line_number, obj in json_lines(path, BatchInputError):
         try:
-            obj = json.loads(line, parse_constant=_reject_constant)
             rows.append(NumberedRow(line_number, parse_row(obj)))
-        except (json.JSONDecodeError, InvalidRow) as error:
+        except InvalidRow as error:
             raise BatchInputError(f"{path}:{line_number}: {error}") from None
     if not rows:
         raise BatchInputError(f"{path}: no rows")
     return rows
+
+
+def json_lines(path: Path, error: type[Exception]) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of every nonblank line of a JSONL file. An unreadable file or a line
+    that is not JSON (NaN and Infinity included) raises `error` naming the path and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as failure:
+        raise error(f"{path}: cannot read: {failure}") from None
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, InvalidRow) as failure:
+            raise error(f"{path}:{line_number}: {failure}") from None
+        yield line_number, value
 
 
 def _reject_constant(name: str) -> Any:

@@ -7,11 +7,11 @@ exactly `{id, state, question, options}`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from semif_serve.batch import json_lines
 from semif_serve.scoring.prompt import LETTERS
 from semif_serve.scoring.rows import InvalidRow, parse_row
 
@@ -59,7 +59,7 @@ def read_labelled(paths: list[Path]) -> list[LabelledRow]:
     rows: list[LabelledRow] = []
     seen: dict[str, str] = {}
     for path in paths:
-        for line_number, obj in _json_lines(path):
+        for line_number, obj in json_lines(path, LabelledDataError):
             where = f"{path}:{line_number}"
             try:
                 labelled = _labelled(obj)
@@ -77,22 +77,6 @@ def read_labelled(paths: list[Path]) -> list[LabelledRow]:
 def originals(rows: list[LabelledRow]) -> list[LabelledRow]:
     """The rows that are not perturbations of another row."""
     return [labelled for labelled in rows if labelled.source_id is None]
-
-
-def _json_lines(path: Path):
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LabelledDataError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise LabelledDataError(f"{path}: cannot read: {error}") from None
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield line_number, json.loads(line)
-        except json.JSONDecodeError as error:
-            raise LabelledDataError(f"{path}:{line_number}: not JSON: {error}") from None
 
 
 def _labelled(obj: Any) -> LabelledRow:
@@ -140,7 +124,7 @@ def _text(obj: dict, key: str) -> str:
 def read_plain_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSONL file as `{id, state, question, options}`, any labels dropped."""
     rows = []
-    for line_number, obj in _json_lines(path):
+    for line_number, obj in json_lines(path, LabelledDataError):
         if not isinstance(obj, dict):
             raise LabelledDataError(f"{path}:{line_number}: each line must be a JSON object")
         row = {key: obj[key] for key in ROW_KEYS if key in obj}
