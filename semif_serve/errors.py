@@ -20,6 +20,14 @@ class Unauthorized(ServeError):
     """Missing or wrong bearer token → 401."""
 
 
+class IncompleteBody(ServeError):
+    """The body ended before its declared Content-Length (the client half-closed) → 400."""
+
+
+class RequestTimeout(ServeError):
+    """The request's body did not arrive within SEMIF_BODY_TIMEOUT_S → 408."""
+
+
 class RequestTooLarge(ServeError):
     """The body is over SEMIF_MAX_BODY_BYTES → 413."""
 
@@ -54,3 +62,7 @@ class QueueTimedOut(ServeError):
 
 class InsufficientMemory(ServeError):
     """A model cannot be loaded: the residency limit is reached and nothing is idle → 503."""
+
+
+class ModelLoadFailed(ServeError):
+    """A model could not be loaded (bad weights, a failed warm-up); it serves nothing → 503."""

@@ -11,11 +11,14 @@ from semif_serve.errors import (
     BadManagementRequest,
     BadRequest,
     Forbidden,
+    IncompleteBody,
     InsufficientMemory,
     InvalidRequest,
+    ModelLoadFailed,
     ModelNotFound,
     OutOfMemory,
     QueueTimedOut,
+    RequestTimeout,
     RequestTooLarge,
     ScoringFailed,
     ServerBusy,
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     BadRequest: (400, "bad_request"),
     BadManagementRequest: (400, "invalid_request"),
+    IncompleteBody: (400, "invalid_request"),
+    RequestTimeout: (408, "request_timeout"),
     Forbidden: (403, "forbidden"),
     ModelNotFound: (404, "model_not_found"),
     QueueTimedOut: (503, "server_busy"),
@@ -36,6 +41,7 @@ STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     InvalidRequest: (422, "invalid_request"),
     ServerBusy: (429, "busy"),
     OutOfMemory: (503, "out_of_memory"),
+    ModelLoadFailed: (503, "model_load_failed"),
     ScoringFailed: (500, "scoring_failed"),
 }
 FALCON_CODES = {
@@ -52,6 +58,10 @@ EXTRA_HEADERS: dict[type[Exception], dict[str, str]] = {
     QueueTimedOut: {"Retry-After": "1"},
     InsufficientMemory: {"Retry-After": "5"},
     OutOfMemory: {"Retry-After": "1"},
+    ModelLoadFailed: {"Retry-After": "5"},
+    # The rest of a half-read body is still on the socket: the connection cannot be reused.
+    IncompleteBody: {"Connection": "close"},
+    RequestTimeout: {"Connection": "close"},
 }
 
 
