@@ -12,7 +12,13 @@ import json
 import re
 from typing import IO, Any
 
-from semif_serve.errors import BadRequest, InvalidRequest, RequestTooLarge
+from semif_serve.errors import (
+    BadRequest,
+    IncompleteBody,
+    InvalidRequest,
+    RequestTimeout,
+    RequestTooLarge,
+)
 
 CHUNK_BYTES = 64 * 1024
 ASCII_DIGITS = re.compile(r"[0-9]+")
@@ -29,6 +35,9 @@ def declared_length(environ: dict[str, Any]) -> int | None:
 
 
 def read_body(environ: dict[str, Any], limit: int) -> bytes:
+    """The whole body, exactly as declared. The server bounds each read by the request's body
+    deadline: a read that times out is a 408, and a body that ends before its Content-Length
+    (or a chunked body cut off) is a 400, never scored."""
     declared = declared_length(environ)
     if declared is not None and declared > limit:
         raise RequestTooLarge(f"the body declares {declared} bytes, over the limit of {limit}")
@@ -41,8 +50,12 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
         want = min(CHUNK_BYTES, limit - size + 1)
         if remaining is not None:
             want = min(want, remaining)
-        chunk = stream.read(want)
+        chunk = _read_chunk(stream, want)
         if not chunk:
+            if remaining is not None:
+                raise IncompleteBody(
+                    f"the body ended after {size} of its declared {declared} bytes"
+                )
             break
         if size + len(chunk) > limit:
             raise RequestTooLarge(f"the body is over the limit of {limit} bytes")
@@ -53,6 +66,17 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
     return b"".join(kept)
 
 
+def _read_chunk(stream: IO[bytes], want: int) -> bytes:
+    try:
+        return stream.read(want)
+    except TimeoutError:  # the server's body deadline (semif_serve/worker.py) passed
+        raise RequestTimeout(
+            "the body did not arrive within the server's deadline (SEMIF_BODY_TIMEOUT_S)"
+        ) from None
+    except OSError as error:  # the peer went away mid-body (gunicorn's NoMoreData, a reset)
+        raise IncompleteBody(f"the body ended before it was complete: {error}") from None
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object; anything else (not UTF-8, not JSON, NaN, an array) is a 422."""
     try:
@@ -61,6 +85,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequest("body: must be UTF-8 encoded JSON") from None
     except ValueError as error:
         raise InvalidRequest(f"body: not valid JSON: {error}") from None
+    except RecursionError:
+        # The C parser counts its nesting against the interpreter's recursion limit (~1,000
+        # levels, less the caller's frames); past it the body is refused, never a 500. Values
+        # that may legitimately nest (`state`) have a lower, documented limit of their own.
+        raise InvalidRequest("body: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"body: must be a JSON object, got {type(value).__name__}")
     return value

@@ -31,6 +31,7 @@ ROUTING_KEYS = ("model", "timeout_s")
 DECIDE_KEYS = frozenset({*ROW_KEYS, *ROUTING_KEYS, "workload", "orderings"})
 SHARED_KEYS = frozenset({*ROUTING_KEYS, "state", "decisions", "workload"})
 DECISION_KEYS = frozenset({"id", "question", "options", "orderings"})
+MAX_TIMEOUT_S = 86_400  # a day: any longer wait is a caller's bug, never a plan
 
 
 @dataclass(frozen=True)
@@ -220,8 +221,13 @@ def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
     timeout_s = body.get("timeout_s")
     if timeout_s is not None:
         valid = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-        if not valid or not 0 < timeout_s < float("inf"):
-            raise InvalidRequest("timeout_s: must be a number of seconds > 0")
+        # Compared before any float arithmetic: a 400-digit integer must be a 422, not an
+        # OverflowError somewhere in the queue.
+        if not valid or not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise InvalidRequest(
+                f"timeout_s: must be a number of seconds, 0 < timeout_s <= {MAX_TIMEOUT_S}"
+            )
+        timeout_s = float(timeout_s)
     return model_id, timeout_s
 
 

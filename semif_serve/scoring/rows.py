@@ -13,6 +13,7 @@ from typing import Any
 
 MIN_OPTIONS = 2
 MAX_OPTIONS = 16
+MAX_STATE_DEPTH = 32  # arrays/objects inside arrays/objects; a string state has depth 0
 OPTION_KEYS = frozenset({"id", "description"})
 
 
@@ -99,25 +100,34 @@ def _state(obj: dict) -> Any:
     return state
 
 
-def _require_finite_json(value: Any, path: str) -> None:
-    """Reject NaN/Infinity and anything json.dumps would not write as standard JSON."""
-    if value is None or isinstance(value, (bool, str, int)):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise InvalidRow(f"{path}: numbers must be finite, got {value!r}")
-        return
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            _require_finite_json(item, f"{path}[{index}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise InvalidRow(f"{path}: object keys must be strings, got {_type_name(key)}")
-            _require_finite_json(item, f"{path}.{key}")
-        return
-    raise InvalidRow(f"{path}: not a JSON value ({_type_name(value)})")
+def _require_finite_json(state: Any, path: str) -> None:
+    """Reject NaN/Infinity, anything json.dumps would not write as standard JSON, and nesting
+    deeper than MAX_STATE_DEPTH. A loop over an explicit stack, never recursion: a hostile state
+    cannot exhaust the interpreter's stack here (and the prompt's json.dumps stays shallow)."""
+    pending: list[tuple[Any, str, int]] = [(state, path, 1)]
+    while pending:
+        value, where, depth = pending.pop()
+        if value is None or isinstance(value, (bool, str, int)):
+            continue
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise InvalidRow(f"{where}: numbers must be finite, got {value!r}")
+            continue
+        if not isinstance(value, (list, dict)):
+            raise InvalidRow(f"{where}: not a JSON value ({_type_name(value)})")
+        if depth > MAX_STATE_DEPTH:
+            raise InvalidRow(
+                f"state: nested deeper than {MAX_STATE_DEPTH} levels (at {where})"
+            )
+        if isinstance(value, list):
+            items = [(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        else:
+            for key in value:
+                if not isinstance(key, str):
+                    raise InvalidRow(f"{where}: object keys must be strings, got {_type_name(key)}")
+            items = [(item, f"{where}.{key}") for key, item in value.items()]
+        # Reversed onto the stack, so values are checked in document order (first error wins).
+        pending.extend((item, name, depth + 1) for item, name in reversed(items))
 
 
 def _options(options: Any) -> tuple[Option, ...]:
