@@ -9,9 +9,9 @@ from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wa
 from semif_serve.errors import (
     BadManagementRequest,
     InsufficientMemory,
+    ModelLoadFailed,
     ModelNotFound,
     QueueTimedOut,
-    ScoringFailed,
 )
 
 
@@ -56,16 +56,21 @@ def test_a_failed_first_load_leaves_the_model_unloaded_and_the_next_request_retr
     factory.fail_next_load = OSError("weights missing")
     rt = runtime(spec("a"), factory=factory)
     failed = Held(rt, "a").finish()
-    assert isinstance(failed.error, ScoringFailed) and "weights missing" in str(failed.error)
-    assert rt.entry("a").status() | {"last_used": None} == rt.entry("a").status() | {
+    assert isinstance(failed.error, ModelLoadFailed)
+    assert str(failed.error) == "loading model 'a' failed: weights missing"
+    status = rt.entry("a").status()
+    assert status | {"last_used": None, "last_load_error": None} == status | {
         "state": "unloaded",
         "loaded": False,
         "active_slots": 0,
         "last_used": None,
+        "last_load_error": None,
     }
+    assert status["last_load_error"]["message"] == "loading model 'a' failed: weights missing"
     retry = Held(rt, "a")
     assert retry.admitted.wait(WAIT_S)
     retry.finish()
+    assert rt.entry("a").status()["last_load_error"] is None  # a load succeeded since
     assert factory.events == [("load", "a"), ("load", "a")]
 
 
@@ -187,17 +192,18 @@ def test_a_bad_spec_is_refused_before_anything_changes():
         rt.register("unload", {"source": "x"})
 
 
-def test_a_load_failure_after_commit_leaves_the_new_config_registered_and_unloaded():
+def test_a_failed_reconfigure_leaves_the_old_engine_and_configuration_serving():
     factory = Factory()
     rt = runtime(spec("a"), factory=factory)
-    Held(rt, "a").finish()
+    old_engine = Held(rt, "a").finish().engine
     factory.fail_next_load = RuntimeError("new weights broken")
-    with pytest.raises(ScoringFailed, match="new weights broken"):
+    with pytest.raises(ModelLoadFailed, match="new weights broken"):
         rt.register("a", {"source": "test:a2", "device": "cpu"})
     status = rt.entry("a").status()
-    assert status["state"] == "unloaded" and status["source"] == "test:a2"
-    Held(rt, "a").finish()  # the next request retries the load
-    assert rt.entry("a").status()["state"] == "ready"
+    assert status["state"] == "ready" and status["source"] == "test:a"
+    assert "new weights broken" in status["last_load_error"]["message"]
+    assert Held(rt, "a").finish().engine is old_engine  # never torn down
+    assert factory.events == [("load", "a"), ("load", "a")]
 
 
 # --- T5 / T11: bulk unload --------------------------------------------------------------------------
@@ -301,6 +307,7 @@ def test_status_reports_every_field_and_reserves_nothing():
         "revision": None,
         "keep_alive_s": None,
         "last_used": None,
+        "last_load_error": None,
     }
     holder = Held(rt, "a")
     assert holder.admitted.wait(WAIT_S)
@@ -326,7 +333,7 @@ def test_startup_loads_load_on_startup_models_and_fails_closed():
     assert factory.events == [("load", "a")]
     factory = Factory()
     factory.fail_next_load = OSError("no weights")
-    with pytest.raises(ScoringFailed, match="no weights"):
+    with pytest.raises(ModelLoadFailed, match="no weights"):
         runtime(spec("a", load_on_startup=True), factory=factory)
 
 

@@ -9,8 +9,9 @@ the order they called in:
 - a manager (register, reconfigure, unload) is admitted when it is at the head and every earlier
   admitted request has finished; it then holds the model alone. Requests behind it wait, even
   when slots are free: nothing barges past a manager.
-A waiter that outlives its timeout leaves the queue with `QueueTimeout`. No lock here is held
-while a model loads, runs or is torn down.
+A waiter leaves the queue on every path out of its wait: admitted, past its timeout
+(`QueueTimeout`), or whatever else raised (a clock, the condition, an interrupt); the waiters
+behind it are woken. No lock here is held while a model loads, runs or is torn down.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from semif_serve.runtime.specs import ModelSpec
@@ -31,6 +33,9 @@ UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
     "reconfiguring",
     "unloading",
 )
+# The longest a waiter waits (30 days). Longer timeouts are clamped before any arithmetic: a
+# 400-digit integer overflows a float deadline, and Condition.wait refuses more than ~9.2e9 s.
+MAX_WAIT_S = 30 * 24 * 3600.0
 
 
 class QueueTimeout(Exception):
@@ -50,6 +55,7 @@ class ModelEntry:
         self.engine: Any = None
         self.capacity: int | None = None
         self.last_used: float | None = None
+        self.last_load_error: dict[str, str] | None = None
         self._clock = clock
         self._cond = threading.Condition()
         self._queue: deque[_Waiter] = deque()
@@ -72,6 +78,7 @@ class ModelEntry:
                 "revision": self.spec.revision,
                 "keep_alive_s": self.spec.keep_alive_s,
                 "last_used": self.last_used,
+                "last_load_error": self.last_load_error,
             }
 
     @property
@@ -86,8 +93,7 @@ class ModelEntry:
         waiter = _Waiter(is_request=True)
         with self._cond:
             self._queue.append(waiter)
-            self._wait_for(waiter, timeout, self._request_may_enter)
-            self._queue.popleft()
+            self._admit(waiter, timeout, self._request_may_enter)
             self._active += 1
             self._cond.notify_all()  # the next request may take a spare slot
         try:
@@ -99,8 +105,8 @@ class ModelEntry:
     def release(self) -> None:
         with self._cond:
             self._active -= 1
+            self._cond.notify_all()  # before the clock: if it fails, the next waiter still goes
             self.last_used = self._clock()
-            self._cond.notify_all()
 
     def _request_may_enter(self, waiter: _Waiter) -> bool:
         return (
@@ -121,13 +127,9 @@ class ModelEntry:
         try:
             load(self)
         except BaseException:
-            with self._cond:
-                self.state = UNLOADED  # nothing partial is published; a later request retries
-                self._cond.notify_all()
+            self.abort_load()
             raise
-        with self._cond:
-            self._cond.notify_all()
-            return self.engine
+        return self.engine
 
     # -- management ----------------------------------------------------------------------------
 
@@ -146,8 +148,7 @@ class ModelEntry:
         self, waiter: _Waiter, operation: Callable[[ModelEntry], Any], timeout: float | None
     ) -> Any:
         with self._cond:
-            self._wait_for(waiter, timeout, self._manager_may_enter)
-            self._queue.popleft()
+            self._admit(waiter, timeout, self._manager_may_enter)
             self._managed = True
         try:
             return operation(self)
@@ -155,6 +156,11 @@ class ModelEntry:
             with self._cond:
                 self._managed = False
                 self._cond.notify_all()
+
+    def abandon(self, waiter: _Waiter) -> None:
+        """Withdraw a published barrier whose manager will never run (its thread did not start)."""
+        with self._cond:
+            self._leave(waiter)
 
     def try_manage(self, operation: Callable[[ModelEntry], Any]) -> bool:
         """Eviction and idle retirement: act only on an idle model, never wait in its queue."""
@@ -175,11 +181,30 @@ class ModelEntry:
 
     # -- transitions, called by the holder of the model (manager or loader) ---------------------
 
-    def publish(self, engine: Any, capacity: int | None) -> None:
+    def publish(self, engine: Any, capacity: int | None, spec: ModelSpec | None = None) -> None:
+        """`engine` (built from `spec`, default the registered one) serves: ready, with `spec`
+        committed and the last load error cleared, all at once."""
+        now = self._clock()  # first: a failing clock publishes nothing
         with self._cond:
+            self.spec = spec or self.spec
             self.engine, self.capacity, self.state = engine, capacity, READY
-            self.last_used = self._clock()
+            self.last_used = now
+            self.last_load_error = None
             self._cond.notify_all()
+
+    def abort_load(self) -> None:
+        """A load that published nothing returns to unloaded (a later request retries it), and
+        the admitted requests waiting for it wake."""
+        with self._cond:
+            if self.state == LOADING:
+                self.state = UNLOADED
+            self._cond.notify_all()
+
+    def record_load_error(self, message: str) -> None:
+        """Shown in the status until the next successful load (`publish`)."""
+        at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        with self._cond:
+            self.last_load_error = {"message": message, "at": at}
 
     def set_state(self, state: str) -> None:
         with self._cond:
@@ -193,19 +218,29 @@ class ModelEntry:
             self.state = UNLOADING if engine is not None else UNLOADED
             return engine
 
-    def replace_spec(self, spec: ModelSpec) -> None:
-        with self._cond:
-            self.spec = spec
-            self._cond.notify_all()
-
     # -- waiting --------------------------------------------------------------------------------
 
+    def _admit(self, waiter: _Waiter, timeout: float | None, may_enter) -> None:
+        """Wait (holding the condition) until `may_enter`, then leave the head of the queue.
+        Any other way out of the wait also leaves the queue, so no waiter is ever stranded."""
+        try:
+            self._wait_for(waiter, timeout, may_enter)
+        except BaseException:
+            self._leave(waiter)
+            raise
+        self._queue.popleft()
+
     def _wait_for(self, waiter: _Waiter, timeout: float | None, may_enter) -> None:
+        if timeout:
+            timeout = min(MAX_WAIT_S, timeout)  # in this order, a NaN becomes MAX_WAIT_S too
         deadline = None if not timeout else time.monotonic() + timeout
         while not may_enter(waiter):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                self._queue.remove(waiter)
-                self._cond.notify_all()  # the waiter behind may now be at the head
                 raise QueueTimeout(f"waited {timeout:g} s for model {self.spec.id!r}")
             self._cond.wait(remaining)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        self._cond.notify_all()  # the waiter behind may now be at the head

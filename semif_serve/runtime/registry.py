@@ -1,9 +1,12 @@
 """`Runtime`: the registry of models and the one owner of every lifecycle transition.
 
 Requests ask it for a lease on a model (`lease`); management asks it to register, reconfigure
-or unload; residency (SEMIF_MAX_LOADED_MODELS) evicts idle, queue-free models least recently
-used first; a background thread retires models idle past their keep_alive_s. The registry lock
-only guards the id → entry map and is never held while anything waits, loads or tears down.
+or unload; residency (SEMIF_MAX_LOADED_MODELS, SEMIF_MEMORY_BUDGET_GIB) evicts idle, queue-free
+models least recently used first; a background thread retires models idle past their
+keep_alive_s. The registry lock only guards the id → entry map and is never held while anything
+waits, loads or tears down. A reconfigure never costs the serving model without need: its
+source is checked first (400), and the new engine loads beside the old one when memory allows
+(see `_reconfigure`).
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 from semif_serve.errors import (
     BadManagementRequest,
     InsufficientMemory,
+    ModelLoadFailed,
     ModelNotFound,
     QueueTimedOut,
-    ScoringFailed,
+    ServeError,
 )
 from semif_serve.runtime.entry import (
     LOADING,
@@ -34,6 +38,7 @@ from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
 
 log = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 1.0
+GIB = 1 << 30
 
 
 class Runtime:
@@ -44,9 +49,14 @@ class Runtime:
         specs: list[ModelSpec],
         default_id: str,
         clock: Callable[[], float] = time.monotonic,
+        source_check: Callable[[ModelSpec], int | None] | None = None,
     ):
         self._settings = settings
         self._factory = engine_factory
+        # From the layer that knows models (boot.check_source): raises BadManagementRequest when
+        # a spec's source cannot load at all, else estimates its weights' resident bytes (None:
+        # unknown). Absent, every source is taken as given (fake engines in tests).
+        self._source_check = source_check or (lambda spec: None)
         self._clock = clock
         self._lock = threading.Lock()
         self._bulk_publication = threading.Lock()
@@ -124,16 +134,19 @@ class Runtime:
         return [entry.status() for entry in self._snapshot()]
 
     def register(self, model_id: str, table: dict[str, Any]) -> dict[str, Any]:
-        """Register a new model or reconfigure one, then load it; 200 with its status."""
+        """Register a new model or reconfigure one, then load it; 200 with its status.
+
+        The table and its source are checked before anything changes (400)."""
         try:
             spec = parse_spec(model_id, table, self._settings)
         except SpecError as error:
             raise BadManagementRequest(str(error)) from None
+        estimate = self._source_check(spec)
         with self._lock:
             entry = self._entries.get(model_id)
             if entry is None:  # published once, unloaded, before its first load
                 entry = self._entries[model_id] = ModelEntry(spec, self._clock)
-        entry.manage(lambda held: self._reconfigure(held, spec), self.queue_timeout(None))
+        self._managed(entry, lambda held: self._reconfigure(held, spec, estimate))
         return entry.status()
 
     def unload(self, model_id: str) -> dict[str, Any]:
@@ -156,11 +169,16 @@ class Runtime:
             except BaseException as error:  # reported after every selection was handled
                 errors.append(error)
 
-        threads = [threading.Thread(target=unload, args=(i,)) for i in selected]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        threads = {i: threading.Thread(target=unload, args=(i,)) for i in selected}
+        try:
+            for thread in threads.values():
+                thread.start()
+        finally:
+            for model_id, thread in threads.items():
+                if thread.ident is None:  # never started: its barrier must not block the model
+                    selected[model_id].abandon(waiters[model_id])
+                else:
+                    thread.join()
         if errors:
             raise errors[0]
         return {"unloaded": list(selected), "not_found": not_found}
@@ -173,7 +191,16 @@ class Runtime:
 
     # -- transitions (the caller holds the model alone, or is its admitted loader) -------------
 
-    def _reconfigure(self, entry: ModelEntry, spec: ModelSpec) -> None:
+    def _reconfigure(self, entry: ModelEntry, spec: ModelSpec, estimate: int | None) -> None:
+        """Give the model `spec`; it is committed only together with an engine built from it.
+
+        - unloaded: load it; a failure keeps the registered configuration (unloaded);
+        - loaded, and `spec`'s weights fit beside the old ones (`_fits_beside`): load the new
+          engine (warm-up included) while the old one is kept, then switch; a failure leaves
+          the old engine and configuration serving;
+        - loaded, not fitting beside: tear the old engine down, load the new one; if that
+          fails, load the old configuration again; if that fails too, the model is unloaded.
+        Every failed load is the model's `last_load_error` until a load succeeds."""
         if (
             entry.capacity is not None
             and spec.slots > entry.capacity
@@ -183,50 +210,109 @@ class Runtime:
                 f"{spec.id}.slots: {spec.slots} is more than the {entry.capacity} this model "
                 "supports; the current configuration keeps serving"
             )
-        was_loaded = entry.state == READY
-        if was_loaded:
-            entry.set_state(RECONFIGURING)
-            self._teardown(entry.retire())
-        entry.replace_spec(spec)  # committed: a load failure from here leaves it unloaded
-        entry.set_state(UNLOADED)
-        self._load_alone(entry)
+        if entry.state != READY:
+            self._load_alone(entry, spec)
+        elif self._fits_beside(entry, spec, estimate):
+            self._load_beside(entry, spec)
+        else:
+            self._load_instead(entry, spec)
 
-    def _load_alone(self, entry: ModelEntry) -> None:
+    def _load_alone(self, entry: ModelEntry, spec: ModelSpec | None = None) -> None:
         if entry.state == READY:
             return
         entry.set_state(LOADING)
         try:
-            self._load_admitted(entry)
+            self._load_admitted(entry, spec)
         except BaseException:
-            entry.set_state(UNLOADED)
+            entry.abort_load()
             raise
 
-    def _load_admitted(self, entry: ModelEntry) -> None:
-        """Make room, build the engine privately, check its capacity, then publish it whole."""
-        self._make_room(entry)
-        spec = entry.spec
+    def _load_admitted(self, entry: ModelEntry, spec: ModelSpec | None = None) -> None:
+        """Build `spec`'s engine (default: the registered spec) privately, then publish it whole."""
+        spec = spec or entry.spec
+        engine, capacity = self._build(entry, spec)
+        self._publish(entry, engine, capacity, spec)
+        self.on_event(spec.id, "load")
+
+    def _load_beside(self, entry: ModelEntry, spec: ModelSpec) -> None:
+        old = entry.engine
+        entry.set_state(RECONFIGURING)
         try:
-            engine = self._factory(spec)
+            engine, capacity = self._build(entry, spec)
+            self._publish(entry, engine, capacity, spec)
+        except BaseException:
+            entry.set_state(READY)  # nothing was published: the old engine serves on
+            raise
+        self._teardown(old)
+        self.on_event(spec.id, "load")
+
+    def _load_instead(self, entry: ModelEntry, spec: ModelSpec) -> None:
+        old_spec = entry.spec
+        self._unload_alone(entry)
+        try:
+            self._load_alone(entry, spec)
+        except Exception as error:
+            self._restore(entry, old_spec, error)
+
+    def _restore(self, entry: ModelEntry, old_spec: ModelSpec, error: Exception) -> NoReturn:
+        """The fallback's last step: load the old configuration again, then report `error`."""
+        try:
+            self._load_alone(entry, old_spec)
+            outcome = "the previous configuration was loaded again and serves"
+        except Exception as second:
+            outcome = f"loading the previous configuration failed too ({second}); unloaded"
+        message = f"{error}; {outcome}"
+        entry.record_load_error(message)
+        raise (type(error) if isinstance(error, ServeError) else ModelLoadFailed)(message)
+
+    def _build(self, entry: ModelEntry, spec: ModelSpec) -> tuple[Any, int | None]:
+        """Make room, build `spec`'s engine (the factory warms it up), check that it fits the
+        memory budget and serves `spec.slots`; nothing is published. InsufficientMemory and
+        BadManagementRequest pass as they are, any other failure is ModelLoadFailed (503); each
+        is recorded as the model's last load error."""
+        try:
+            self._make_room(entry)
+            engine = self._built(spec)
+        except Exception as error:
+            entry.record_load_error(str(error))
+            raise
+        try:
+            self._fit_in_memory_budget(entry, engine)
+            capacity = getattr(engine, "max_parallel_slots", None)
+            if capacity is not None and spec.slots > capacity:
+                raise BadManagementRequest(
+                    f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model "
+                    "supports"
+                )
+        except BaseException as error:
+            self._teardown(engine)
+            entry.record_load_error(str(error) or type(error).__name__)
+            raise
+        return engine, capacity
+
+    def _built(self, spec: ModelSpec) -> Any:
+        try:
+            return self._factory(spec)
         except Exception as error:
             self.on_event(spec.id, "load_failed")
             if isinstance(error, (InsufficientMemory, BadManagementRequest)):
                 raise
             log.error("loading model %s failed: %s", spec.id, error)
-            raise ScoringFailed(f"loading model {spec.id!r} failed: {error}") from None
-        self._fit_in_memory_budget(entry, engine)
-        capacity = getattr(engine, "max_parallel_slots", None)
-        if capacity is not None and spec.slots > capacity:
-            self._teardown(engine)
-            raise BadManagementRequest(
-                f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model supports"
-            )
-        entry.publish(engine, capacity)
-        self.on_event(spec.id, "load")
+            raise ModelLoadFailed(f"loading model {spec.id!r} failed: {error}") from None
+
+    def _publish(self, entry: ModelEntry, engine: Any, capacity: int | None, spec) -> None:
+        try:
+            entry.publish(engine, capacity, spec)
+        except BaseException:
+            self._teardown(engine)  # never published, so nobody else would close it
+            raise
 
     def _unload_alone(self, entry: ModelEntry, event: str = "unload") -> None:
         engine = entry.retire()
-        self._teardown(engine)
-        entry.set_state(UNLOADED)
+        try:
+            self._teardown(engine)
+        finally:
+            entry.set_state(UNLOADED)  # even after a failed close: requests may load it again
         if engine is not None:
             self.on_event(entry.spec.id, event)
 
@@ -235,6 +321,30 @@ class Runtime:
             engine.close()
 
     # -- residency --------------------------------------------------------------------------------
+
+    def _fits_beside(self, entry: ModelEntry, spec: ModelSpec, estimate: int | None) -> bool:
+        """Whether `spec`'s weights fit while the old engine still holds its memory: within
+        SEMIF_MEMORY_BUDGET_GIB (every loaded model's resident bytes plus the estimate) and, on a
+        GPU, SEMIF_VRAM_CAP_GIB (every GPU model's plus the estimate; conservative, as each GPU
+        engine counts what the process had reserved after its warm-up). The estimate is the old
+        engine's own size when the weights are the same, else the source check's. With neither
+        limit set nothing bounds it (always beside); with a limit and no estimate, never."""
+        old = entry.spec
+        if (old.source, old.revision, old.dtype) == (spec.source, spec.revision, spec.dtype):
+            estimate = _resident(entry.engine) or estimate
+        loaded = [e for e in self._snapshot() if e.engine is not None]
+        limits = []
+        if self._settings.memory_budget_gib is not None:
+            limits.append((self._settings.memory_budget_gib, loaded))
+        if self._settings.vram_cap_gib is not None and spec.device != "cpu":
+            on_gpu = [e for e in loaded if e.spec.device != "cpu"]
+            limits.append((self._settings.vram_cap_gib, on_gpu))
+        if limits and estimate is None:
+            return False
+        return all(
+            sum(_resident(e.engine) for e in held) + estimate <= limit_gib * GIB
+            for limit_gib, held in limits
+        )
 
     def _make_room(self, loading: ModelEntry) -> None:
         """Below SEMIF_MAX_LOADED_MODELS, or evict idle models least recently used first."""
@@ -252,23 +362,23 @@ class Runtime:
                 )
 
     def _fit_in_memory_budget(self, loading: ModelEntry, engine: Any) -> None:
-        """With SEMIF_MEMORY_BUDGET_GIB, evict idle models (LRU) until the new one fits, else
-        drop it and refuse (503). Evictions done before a refusal are not undone."""
+        """With SEMIF_MEMORY_BUDGET_GIB, evict idle models (LRU) until the new engine fits beside
+        the other models (the loading model's old engine is being replaced), else refuse (503).
+        Evictions done before a refusal are not undone."""
         budget_gib = self._settings.memory_budget_gib
         if budget_gib is None:
             return
-        budget = budget_gib * (1 << 30)
-        needed = getattr(engine, "resident_bytes", None) or 0
+        budget = budget_gib * GIB
+        needed = _resident(engine)
         while True:
             others = [e for e in self._snapshot() if e is not loading]
-            used = sum(getattr(e.engine, "resident_bytes", None) or 0 for e in others)
+            used = sum(_resident(e.engine) for e in others)
             if used + needed <= budget:
                 return
             if not self._evict_one(others):
-                self._teardown(engine)
                 raise InsufficientMemory(
-                    f"model {loading.spec.id!r} needs {needed / (1 << 30):.2f} GiB; "
-                    f"{used / (1 << 30):.2f} of SEMIF_MEMORY_BUDGET_GIB={budget_gib} are held by "
+                    f"model {loading.spec.id!r} needs {needed / GIB:.2f} GiB; "
+                    f"{used / GIB:.2f} of SEMIF_MEMORY_BUDGET_GIB={budget_gib} are held by "
                     "busy models; retry later"
                 )
 
@@ -298,3 +408,8 @@ class Runtime:
     def _snapshot(self) -> list[ModelEntry]:
         with self._lock:
             return list(self._entries.values())
+
+
+def _resident(engine: Any) -> int:
+    """The bytes an engine holds (0 when none, or unknown)."""
+    return getattr(engine, "resident_bytes", None) or 0

@@ -8,7 +8,6 @@ without it every model has one slot, as the semif-serve contract's single lock.
 
 from __future__ import annotations
 
-import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -19,6 +18,10 @@ from typing import Any
 from semif_serve.config import DEVICE_PATTERN, DTYPES, ConfigError
 
 MAX_SLOTS = 16
+# Bounds that keep absurd values out of the arithmetic downstream (a 400-digit max_tokens would
+# overflow boot's float capacity estimate; math.isfinite(10**400) itself raises).
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_KEEP_ALIVE_S = 30 * 24 * 3600
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_IDS = frozenset({"unload"})  # POST /v1/models/unload is the bulk call
 SPEC_KEYS = frozenset(
@@ -107,7 +110,7 @@ def parse_spec(
         revision=revision,
         dtype=dtype,
         device=device,
-        max_tokens=_positive_int(table, "max_tokens", settings.max_tokens, name),
+        max_tokens=_max_tokens(table.get("max_tokens", settings.max_tokens), name),
         slots=parse_slots(table.get("slots"), settings.parallel_slots, name),
         keep_alive_s=_keep_alive(table.get("keep_alive_s"), name),
         load_on_startup=_flag(table, "load_on_startup", False, name),
@@ -123,7 +126,7 @@ def parse_slots(value: Any, parallel_slots: int | None, name: str) -> int:
             f"{name}.slots: explicit slots need the parallel runtime (set SEMIF_PARALLEL_SLOTS)"
         )
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
-        raise SpecError(f"{name}.slots: must be an integer 1..{MAX_SLOTS}, got {value!r}")
+        raise SpecError(f"{name}.slots: must be an integer 1..{MAX_SLOTS}, got {_shown(value)}")
     return value
 
 
@@ -165,24 +168,35 @@ def load_models_file(path: str, settings: Any) -> tuple[list[ModelSpec], str]:
     return specs, default
 
 
-def _positive_int(table: Mapping[str, Any], key: str, default: int, name: str) -> int:
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{name}.{key}: must be an integer >= 1, got {value!r}")
+def _max_tokens(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise SpecError(
+            f"{name}.max_tokens: must be an integer >= 1 and <= {MAX_TOKENS_LIMIT}, "
+            f"got {_shown(value)}"
+        )
     return value
 
 
 def _keep_alive(value: Any, name: str) -> float | None:
     if value is None:
         return None
+    # Compared, never converted: NaN, infinities and 400-digit integers all fail the range.
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
+        or not 0 < value <= MAX_KEEP_ALIVE_S
     ):
-        raise SpecError(f"{name}.keep_alive_s: must be a number of seconds > 0, got {value!r}")
+        raise SpecError(
+            f"{name}.keep_alive_s: must be a number of seconds > 0 and <= {MAX_KEEP_ALIVE_S} "
+            f"(30 days), got {_shown(value)}"
+        )
     return float(value)
+
+
+def _shown(value: Any) -> str:
+    """A refused value for a message, cut short (a 400-digit integer is not worth echoing)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _flag(table: Mapping[str, Any], key: str, default: bool, name: str) -> bool:
