@@ -177,7 +177,8 @@ class Runtime:
             for model_id, thread in threads.items():
                 if thread.ident is None:  # never started: its barrier must not block the model
                     selected[model_id].abandon(waiters[model_id])
-                else:
+            for thread in threads.values():
+                if thread.ident is not None:
                     thread.join()
         if errors:
             raise errors[0]
@@ -281,8 +282,7 @@ class Runtime:
             capacity = getattr(engine, "max_parallel_slots", None)
             if capacity is not None and spec.slots > capacity:
                 raise BadManagementRequest(
-                    f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model "
-                    "supports"
+                    f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model supports"
                 )
         except BaseException as error:
             self._teardown(engine)
