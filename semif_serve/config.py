@@ -51,6 +51,9 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     max_loaded_models: int | None = None
     memory_budget_gib: float | None = None
+    header_timeout_s: float = 10.0  # a request's line and headers must arrive within this
+    body_timeout_s: float = 30.0  # and its body within this, counted from the end of the headers
+    max_connections: int = 1000  # open connections the worker holds; more wait in the backlog
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -88,6 +91,9 @@ class Settings:
             memory_budget_gib=parse_gib(
                 env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"
             ),
+            header_timeout_s=parse_deadline(env, "SEMIF_HEADER_TIMEOUT_S", 10.0),
+            body_timeout_s=parse_deadline(env, "SEMIF_BODY_TIMEOUT_S", 30.0),
+            max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000),
         )
 
 
@@ -150,6 +156,20 @@ def parse_seconds(env: Mapping[str, str], name: str) -> float:
         raise ConfigError(f"{name}: must be a number of seconds, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{name}: must be finite and >= 0, got {text!r}")
+    return value
+
+
+def parse_deadline(env: Mapping[str, str], name: str, default: float) -> float:
+    """A finite number of seconds > 0: a read deadline always ends (0 would mean none at all)."""
+    text = env.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}: must be finite and > 0, got {text!r}")
     return value
 
 

@@ -3,37 +3,51 @@
 The model loads in the worker, not the master, so CUDA is never initialised before a fork, and
 a load or warm-up failure makes gunicorn stop with "Worker failed to boot" (fail closed).
 Threads: one per admitted request (SEMIF_MAX_QUEUE) plus spares, so /health and 429 replies are
-answered while admitted requests wait for the engine. gthread's heartbeat comes from the
-worker's main loop, so a long scorer call never trips gunicorn's timeout. SIGTERM stops
-accepting and lets in-flight requests finish within SEMIF_GRACEFUL_TIMEOUT_S.
+answered while admitted requests wait for the engine; request heads are read without a thread
+(semif_serve/worker.py). gthread's heartbeat comes from the worker's main loop, so a long scorer
+call never trips gunicorn's timeout. SIGTERM stops accepting at once and lets in-flight requests
+finish within SEMIF_GRACEFUL_TIMEOUT_S; when some were cut off, `run` exits with EXIT_CUT_OFF.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from gunicorn import util as gunicorn_util
 from gunicorn.app.base import BaseApplication
-from gunicorn.workers.gthread import ThreadWorker
 
 from semif_serve.config import Settings
-from semif_serve.http.errors import envelope
+from semif_serve.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, ServingLimits
+
+__all__ = ["EXIT_CUT_OFF", "GUNICORN_ERROR_CODES", "gunicorn_options", "run"]
 
 SPARE_THREADS = 4  # /health, 429 replies and management while every admitted request waits
 WORKER_HEARTBEAT_TIMEOUT_S = 120
+# The worker cuts off what is left at SEMIF_GRACEFUL_TIMEOUT_S and reports it; the master's own
+# deadline (then SIGKILL, which would report nothing) comes this much later.
+MASTER_GRACE_MARGIN_S = 5
 
 
-def gunicorn_options(settings: Settings) -> dict[str, Any]:
+def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
+    """gunicorn's settings; `cut_off` (a shared RawValue) receives the worker's cut-off count."""
+    limits = ServingLimits(
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        graceful_timeout_s=settings.graceful_timeout_s,
+        cut_off=cut_off,
+    )
     return {
         "bind": settings.bind,
         "workers": 1,
-        "worker_class": "semif_serve.server.EnvelopeThreadWorker",
+        "worker_class": "semif_serve.worker.SemifWorker",
         "threads": settings.max_queue + SPARE_THREADS,
+        "worker_connections": settings.max_connections,
         "timeout": WORKER_HEARTBEAT_TIMEOUT_S,
-        "graceful_timeout": settings.graceful_timeout_s,
+        "graceful_timeout": settings.graceful_timeout_s + MASTER_GRACE_MARGIN_S,
+        "post_fork": lambda arbiter, worker: worker.configure(limits),
         "keepalive": 5,
         "preload_app": False,
         "accesslog": None,  # semif_serve.access logs one JSON line per request instead
@@ -43,40 +57,6 @@ def gunicorn_options(settings: Settings) -> dict[str, Any]:
         "control_socket_disable": True,  # no management socket in $HOME; nothing uses it
         "worker_exit": close_runtime,
     }
-
-
-GUNICORN_ERROR_CODES = {
-    400: "bad_request",
-    403: "forbidden",
-    414: "uri_too_long",
-    417: "expectation_failed",
-    431: "headers_too_large",
-    501: "not_implemented",
-}
-
-
-def write_envelope_error(sock, status_int: int, reason: str, message: str) -> None:
-    """gunicorn's own error replies (a request it cannot parse) in the JSON envelope too."""
-    code = GUNICORN_ERROR_CODES.get(status_int, "internal_error")
-    body = envelope(code, message or reason).encode("utf-8")
-    head = (
-        f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    gunicorn_util.write_nonblock(sock, head.encode("latin-1") + body)
-
-
-class EnvelopeThreadWorker(ThreadWorker):
-    """gunicorn's gthread worker whose parse-error replies use the JSON envelope.
-
-    gunicorn answers a malformed request (say, a Content-Length of Unicode digits) itself,
-    before the app sees it, with an HTML page written by `gunicorn.util.write_error`. The worker
-    process serves only semif-serve, so it swaps that writer for the envelope one.
-    """
-
-    def init_process(self) -> None:
-        gunicorn_util.write_error = write_envelope_error
-        super().init_process()
 
 
 class _Gunicorn(BaseApplication):
@@ -151,6 +131,13 @@ def close_runtime(server: Any, worker: Any) -> None:
 
 
 def run(settings: Settings, app_factory: Callable[[], Any] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; exits non-zero when the worker fails to boot."""
+    """Serve until SIGTERM/SIGINT; exits non-zero when the worker fails to boot, and with
+    EXIT_CUT_OFF when the shutdown grace period cut off requests still in progress."""
     factory = app_factory or (lambda: production_app(settings))
-    _Gunicorn(factory, gunicorn_options(settings)).run()
+    cut_off = multiprocessing.RawValue("i", 0)  # shared memory, inherited by the forked worker
+    try:
+        _Gunicorn(factory, gunicorn_options(settings, cut_off)).run()
+    except SystemExit as done:
+        if done.code in (0, None) and cut_off.value:
+            raise SystemExit(EXIT_CUT_OFF) from None
+        raise

@@ -4,7 +4,13 @@ import io
 
 import pytest
 
-from semif_serve.errors import BadRequest, InvalidRequest, RequestTooLarge
+from semif_serve.errors import (
+    BadRequest,
+    IncompleteBody,
+    InvalidRequest,
+    RequestTimeout,
+    RequestTooLarge,
+)
 from semif_serve.http.body import declared_length, parse_json_object, read_body
 
 
@@ -82,6 +88,37 @@ def test_a_body_at_the_limit_is_read_whole_in_bounded_chunks():
 
 def test_only_the_declared_bytes_are_read():
     assert read_body(environ(io.BytesIO(b"abcdef"), "3"), limit=10) == b"abc"
+
+
+def test_a_body_shorter_than_its_content_length_is_incomplete_never_returned():
+    # Issue 13 finding 5: a whole JSON object, a Content-Length 100 bytes larger, then EOF.
+    body = b'{"id": "x"}'
+    with pytest.raises(IncompleteBody, match=f"ended after {len(body)} of its declared"):
+        read_body(environ(io.BytesIO(body), str(len(body) + 100)), limit=10_000)
+    with pytest.raises(IncompleteBody, match="ended after 0 of its declared 5 bytes"):
+        read_body(environ(io.BytesIO(b""), "5"), limit=10_000)
+
+
+class Failing(io.RawIOBase):
+    """A stream whose first read raises `error`, as gunicorn's body readers do."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def read(self, size=-1):
+        raise self.error
+
+
+def test_a_read_past_the_body_deadline_is_a_request_timeout():
+    with pytest.raises(RequestTimeout, match="SEMIF_BODY_TIMEOUT_S"):
+        read_body(environ(Failing(TimeoutError("timed out")), "10"), limit=100)
+
+
+@pytest.mark.parametrize("error", [ConnectionResetError(104, "reset"), OSError("no more data")])
+def test_a_peer_gone_mid_body_is_an_incomplete_body(error):
+    # gunicorn's NoMoreData (a chunked body cut off) is an OSError, like a reset.
+    with pytest.raises(IncompleteBody, match="ended before it was complete"):
+        read_body(environ(Failing(error)), limit=100)
 
 
 @pytest.mark.parametrize("length", ["١٠", "²", "+3", "-3", " 3", "3 ", "1_0", "0x3", "3.0"])

@@ -81,7 +81,14 @@ def test_the_token_is_required():
 
 
 @pytest.mark.parametrize(
-    "name", ["SEMIF_MAX_TOKENS", "SEMIF_MAX_DECISIONS", "SEMIF_MAX_BODY_BYTES", "SEMIF_MAX_QUEUE"]
+    "name",
+    [
+        "SEMIF_MAX_TOKENS",
+        "SEMIF_MAX_DECISIONS",
+        "SEMIF_MAX_BODY_BYTES",
+        "SEMIF_MAX_QUEUE",
+        "SEMIF_MAX_CONNECTIONS",
+    ],
 )
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "", " 5", "٥", "1_0", "ten"])
 def test_every_limit_is_an_integer_of_at_least_one(name, value):
@@ -98,6 +105,32 @@ def test_limits_and_cap_are_parsed():
     )
     assert (s.max_tokens, s.max_queue, s.vram_cap_gib, s.bind) == (1, 2, 6.5, "0.0.0.0:9000")
     assert settings(SEMIF_VRAM_CAP_GIB="0.5").vram_cap_gib == 0.5  # any cap > 0, also under 1
+
+
+def test_read_deadlines_and_the_connection_cap_have_defaults_and_parse():
+    s = settings()
+    assert (s.header_timeout_s, s.body_timeout_s, s.max_connections) == (10.0, 30.0, 1000)
+    s = settings(
+        SEMIF_HEADER_TIMEOUT_S="0.5", SEMIF_BODY_TIMEOUT_S="120", SEMIF_MAX_CONNECTIONS="300"
+    )
+    assert (s.header_timeout_s, s.body_timeout_s, s.max_connections) == (0.5, 120.0, 300)
+
+
+@pytest.mark.parametrize("name", ["SEMIF_HEADER_TIMEOUT_S", "SEMIF_BODY_TIMEOUT_S"])
+@pytest.mark.parametrize(
+    ("value", "rule"),
+    [
+        ("0", "must be finite and > 0"),
+        ("-1", "must be finite and > 0"),
+        ("inf", "must be finite and > 0"),
+        ("nan", "must be finite and > 0"),
+        ("", "must be a number of seconds"),
+        ("soon", "must be a number of seconds"),
+    ],
+)
+def test_a_read_deadline_must_be_a_finite_number_of_seconds_over_zero(name, value, rule):
+    with pytest.raises(ConfigError, match=f"^{name}: {rule}"):
+        settings(**{name: value})
 
 
 def write(tmp_path, content):

@@ -8,16 +8,23 @@ import falcon
 
 from semif_serve.http.errors import handle_error
 from semif_serve.http.management import BulkUnload, Model, Models, ModelUnload
-from semif_serve.http.middleware import Admission, BearerAuth, RequestLog
+from semif_serve.http.middleware import Admission, BearerAuth, InProgress, RequestLog
 from semif_serve.http.resources import Decide, DecideShared, Health, MetricsPage
 from semif_serve.metrics import Metrics
 from semif_serve.runtime.admission import InFlightLimit
 from semif_serve.runtime.service import DecisionService
 
 
+class ServingApp(falcon.App):
+    """falcon.App plus `in_progress`, the requests inside it now: the gunicorn worker names those
+    its shutdown grace period cuts off (semif_serve/worker.py)."""
+
+    __slots__ = ("in_progress",)
+
+
 def create_app(
     service: DecisionService, settings: Any, in_flight: InFlightLimit | None = None
-) -> falcon.App:
+) -> ServingApp:
     """The app; `in_flight` defaults to a fresh SEMIF_MAX_QUEUE limit (tests pass their own)."""
     admission = Admission(in_flight or InFlightLimit(settings.max_queue))
     runtime = service.runtime
@@ -25,7 +32,9 @@ def create_app(
     runtime.on_event = metrics.model_event
     auth = BearerAuth(settings.api_token, settings.admin_token)
     literal = frozenset({"/health", "/metrics", "/decide", "/decide/shared", "/v1/models"})
-    app = falcon.App(middleware=[RequestLog(metrics, literal), auth, admission])
+    in_progress = InProgress()
+    app = ServingApp(middleware=[RequestLog(metrics, literal, in_progress), auth, admission])
+    app.in_progress = in_progress
     limit = settings.max_body_bytes
     app.add_route("/health", Health(service))
     app.add_route("/decide", Decide(service, limit))

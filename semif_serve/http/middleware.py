@@ -1,4 +1,5 @@
-"""Cross-cutting request work: request ids and the JSON access log, bearer auth, admission."""
+"""Cross-cutting request work: request ids, the JSON access log and the requests in progress,
+bearer auth, admission."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hmac
 import json
 import logging
 import re
+import threading
 import uuid
 from time import perf_counter
 
@@ -20,15 +22,62 @@ CALLER_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII, bounded: safe 
 PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/metrics")}
 
 
+class InProgress:
+    """The requests inside the app now. When the shutdown grace period (SEMIF_GRACEFUL_TIMEOUT_S)
+    ends with some still running, the worker calls `cut_off` to log each before it exits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # requests come and go on the worker's threads
+        self._requests: dict[int, falcon.Request] = {}
+
+    def add(self, req: falcon.Request) -> None:
+        with self._lock:
+            self._requests[id(req)] = req
+
+    def remove(self, req: falcon.Request) -> None:
+        with self._lock:
+            self._requests.pop(id(req), None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def cut_off(self) -> int:
+        """Log one access line (`"error": "cut_off"`, no status) per request still in progress;
+        returns how many there were."""
+        with self._lock:
+            requests = list(self._requests.values())
+        for req in requests:
+            record = access_record(req, None)
+            record["error"] = "cut_off"
+            access_log.error(json.dumps(record))
+        return len(requests)
+
+
+def access_record(req: falcon.Request, status: int | None) -> dict:
+    return {
+        "request_id": req.context.request_id,
+        "method": req.method,
+        "route": req.uri_template or req.path,
+        "status": status,
+        "decisions": req.context.get("rows"),
+        "duration_ms": round((perf_counter() - req.context.started) * 1000, 3),
+    }
+
+
 class RequestLog:
     """Gives every request an id (the caller's X-Request-Id when sane), logs one JSON line and
-    counts it in the metrics."""
+    counts it in the metrics; `in_progress` holds each request until its response is ready."""
 
     def __init__(
-        self, metrics: Metrics | None = None, literal_routes: frozenset[str] = frozenset()
+        self,
+        metrics: Metrics | None = None,
+        literal_routes: frozenset[str] = frozenset(),
+        in_progress: InProgress | None = None,
     ):
         self._metrics = metrics
         self._literal_routes = literal_routes  # label a request refused before routing (401)
+        self.in_progress = InProgress() if in_progress is None else in_progress
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         given = req.get_header("X-Request-Id")
@@ -36,17 +85,12 @@ class RequestLog:
             given if given and CALLER_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         )
         req.context.started = perf_counter()
+        self.in_progress.add(req)
 
     def process_response(self, req, resp, resource, req_succeeded) -> None:
+        self.in_progress.remove(req)
         resp.set_header("X-Request-Id", req.context.request_id)
-        record = {
-            "request_id": req.context.request_id,
-            "method": req.method,
-            "route": req.uri_template or req.path,
-            "status": resp.status_code,
-            "decisions": req.context.get("rows"),
-            "duration_ms": round((perf_counter() - req.context.started) * 1000, 3),
-        }
+        record = access_record(req, resp.status_code)
         if req.context.get("error_code"):
             record["error"] = req.context.error_code
         access_log.info(json.dumps(record))
