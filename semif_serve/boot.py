@@ -4,7 +4,8 @@ In order: the device checks (a CUDA device whose `sm_XY` is in torch's arch list
 SEMIF_DEVICE=cpu was set explicitly), the VRAM cap (torch's per-process memory fraction, set
 BEFORE the model loads), the model load, the fast-kernel check for linear-attention models, one
 warm-up decision, and the memory baseline the engine releases back to. Any failure raises
-`StartupError` and nothing is served.
+`StartupError` and nothing is served. `check_source` is the cheap check a reconfigure runs
+before it tears anything down.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from semif_serve.engine import Engine
+from semif_serve.errors import BadManagementRequest
 from semif_serve.runtime.specs import MAX_SLOTS
 from semif_serve.scoring.rows import Row, parse_row
 
@@ -101,6 +103,29 @@ def fast_kernel_availability() -> dict[str, bool]:
         "flash-linear-attention": bool(is_flash_linear_attention_available()),
         "causal-conv1d": bool(is_causal_conv1d_available()),
     }
+
+
+def check_source(
+    settings: Any, spec: Any, torch_module: Any = None, inspect: Any = None
+) -> int | None:
+    """A register's or reconfigure's check, before anything is torn down: `spec`'s device is
+    usable and its source is here with a config that loads (no weights read, nothing converted).
+    Else BadManagementRequest (400) naming the field. Returns the estimated resident bytes of
+    its weights in spec.dtype (None: unknown), for the runtime's load-beside decision."""
+    from semif_serve.loading import ModelLoadError
+
+    if torch_module is None:
+        import torch as torch_module
+    if inspect is None:
+        from semif_serve.loading import inspect_source as inspect
+    try:
+        check_device(spec.device, torch_module)
+    except StartupError as error:
+        raise BadManagementRequest(f"{spec.id}.device: {error}") from None
+    try:
+        return inspect(spec.source, spec.revision, dtype=spec.dtype, cache_dir=settings.cache_dir)
+    except ModelLoadError as error:
+        raise BadManagementRequest(f"{spec.id}.source: {error}") from None
 
 
 def build_engine(

@@ -30,8 +30,11 @@ class BuiltinModelError(OSError):
     """The built-in model's package or files are missing or unusable."""
 
 
-def snapshot(source: str, cache_dir: Path | None = None) -> tuple[Path, str]:
-    """The converted snapshot folder for `source` (converting on first use) and its revision."""
+def snapshot(
+    source: str, cache_dir: Path | None = None, convert: bool = True
+) -> tuple[Path | None, str]:
+    """The converted snapshot folder for `source` (converting on first use; with
+    `convert=False`, None instead when it is not converted yet) and its revision."""
     if source != SMOLLM2:
         raise BuiltinModelError(f"unknown built-in model {source!r}; the only one is {SMOLLM2!r}")
     gguf = gguf_path()
@@ -41,6 +44,8 @@ def snapshot(source: str, cache_dir: Path | None = None) -> tuple[Path, str]:
     root = resolve_cache_dir(cache_dir) / "builtin" / "smollm2-135m"
     folder = root / f"{version}-{digest[:16]}"
     if not (folder / SNAPSHOT_MARKER).is_file():
+        if not convert:
+            return None, revision
         _convert(gguf, folder)
     return folder, revision
 

@@ -8,15 +8,20 @@ A source is one of:
   40-hex commit (a branch or tag name could move, so it is refused).
 Qwen3.5's multimodal `qwen3_5` checkpoint loads as the text-only `Qwen3_5ForCausalLM` through its
 text config. Missing or mismatched weights are an error, never silently random.
+`inspect_source` checks a source without loading it (a reconfigure's check before anything is
+torn down) and estimates the bytes its weights will hold.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
+from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from semif_serve import builtin
@@ -49,30 +54,112 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     parse_device(device)
     transformers.utils.logging.disable_progress_bar()
-    if source.startswith(builtin.PREFIX):
-        folder, revision = builtin.snapshot(source, cache_dir=cache_dir)
-        kwargs: dict = {}
-    elif source.startswith(PATH_STARTS) and not Path(source).expanduser().is_dir():
-        raise ModelLoadError(f"model folder {source!r} does not exist")
-    elif Path(source).expanduser().is_dir():
-        folder = Path(source).expanduser()
-        revision = revision or LOCAL_REVISION
-        kwargs = {}
-    else:
-        folder = source
-        revision = check_pinned_revision(source, revision)
-        kwargs = {"revision": revision}
-        if hub_cache_dir is not None:
-            kwargs["cache_dir"] = str(hub_cache_dir)
+    located = locate(source, revision, cache_dir=cache_dir, hub_cache_dir=hub_cache_dir)
     try:
-        model = _load_weights(folder, torch_dtype, kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+        model = _load_weights(located, torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(
+            located.name, local_files_only=True, **located.kwargs
+        )
     except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"cannot load model {source!r} at {revision!r}: {error}") from error
+        raise ModelLoadError(
+            f"cannot load model {source!r} at {located.revision!r}: {error}"
+        ) from error
     model.to(device)
     model.eval()
-    info = ModelInfo(source=source, revision=revision, dtype=dtype, device=str(model.device))
+    info = ModelInfo(
+        source=source, revision=located.revision, dtype=dtype, device=str(model.device)
+    )
     return ScoringModel(model=model, tokenizer=tokenizer, info=info)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a source's files are. `name` and `kwargs` are what from_pretrained reads (a local
+    folder, or the hub id with its revision and cache); `folder` is the local folder holding the
+    files (None: a built-in model not converted yet)."""
+
+    name: Path | str
+    revision: str
+    kwargs: dict[str, str]
+    folder: Path | None
+
+
+def locate(
+    source: str,
+    revision: str | None = None,
+    *,
+    cache_dir: Path | None = None,
+    hub_cache_dir: Path | None = None,
+    convert: bool = True,
+) -> Located:
+    """Resolve `source` to local files, or ModelLoadError when it cannot be here: an unknown
+    built-in, a missing folder, a hub id without a pinned commit or not in the local HF cache.
+    `convert=False`: a built-in model not converted yet is not converted (folder None)."""
+    if source.startswith(builtin.PREFIX):
+        try:
+            folder, revision = builtin.snapshot(source, cache_dir=cache_dir, convert=convert)
+        except builtin.BuiltinModelError as error:
+            raise ModelLoadError(str(error)) from None
+        return Located(folder or source, revision, {}, folder)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return Located(path, revision or LOCAL_REVISION, {}, path)
+    if source.startswith(PATH_STARTS):
+        raise ModelLoadError(f"model folder {source!r} does not exist")
+    revision = check_pinned_revision(source, revision)
+    kwargs = {"revision": revision}
+    if hub_cache_dir is not None:
+        kwargs["cache_dir"] = str(hub_cache_dir)
+    config = try_to_load_from_cache(
+        source, "config.json", cache_dir=hub_cache_dir, revision=revision
+    )
+    if not isinstance(config, str):
+        raise ModelLoadError(
+            f"cannot load model {source!r} at {revision!r}: that commit is not in the local "
+            "Hugging Face cache, and nothing is downloaded (put the snapshot there first)"
+        )
+    return Located(source, revision, kwargs, Path(config).parent)
+
+
+def inspect_source(
+    source: str,
+    revision: str | None = None,
+    *,
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+    hub_cache_dir: Path | None = None,
+) -> int | None:
+    """Check, reading no weights and converting nothing, that `source` is here with a config
+    transformers can read (ModelLoadError otherwise); returns the estimated bytes of its weights
+    loaded in `dtype` (None: unknown, a built-in model not converted yet)."""
+    torch_dtype = parse_dtype(dtype)
+    located = locate(
+        source, revision, cache_dir=cache_dir, hub_cache_dir=hub_cache_dir, convert=False
+    )
+    if located.folder is None:
+        return None
+    try:
+        config = _read_config(located)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(
+            f"cannot read the config of model {source!r} at {located.revision!r}: {error}"
+        ) from None
+    return weight_bytes(located.folder, config, torch_dtype)
+
+
+def weight_bytes(folder: Path, config: Any, torch_dtype: torch.dtype) -> int | None:
+    """The weight files' sizes (safetensors, else .bin) scaled from the dtype they were saved in
+    (the config's) to `torch_dtype`; None when the folder has none."""
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    if not files:
+        return None
+    size = sum(file.stat().st_size for file in files)
+    saved = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    if not isinstance(saved, torch.dtype):
+        return size  # saved in an unknown dtype: taken as it is
+    return size * torch_dtype.itemsize // saved.itemsize
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -99,8 +186,12 @@ def check_pinned_revision(model_id: str, revision: str | None) -> str:
     return revision
 
 
-def _load_weights(folder: Path | str, torch_dtype: torch.dtype, kwargs: dict):
-    config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
+def _read_config(located: Located) -> Any:
+    return AutoConfig.from_pretrained(located.name, local_files_only=True, **located.kwargs)
+
+
+def _load_weights(located: Located, torch_dtype: torch.dtype):
+    config = _read_config(located)
     if config.model_type == "qwen3_5":
         # The hub checkpoint is multimodal; its language model loads alone from the text config.
         model_class = transformers.Qwen3_5ForCausalLM
@@ -108,12 +199,12 @@ def _load_weights(folder: Path | str, torch_dtype: torch.dtype, kwargs: dict):
     else:
         model_class = AutoModelForCausalLM
     model, loading_info = model_class.from_pretrained(
-        folder,
+        located.name,
         config=config,
         dtype=torch_dtype,
         local_files_only=True,
         output_loading_info=True,
-        **kwargs,
+        **located.kwargs,
     )
     problems = {
         key: sorted(map(str, loading_info.get(key) or ()))
@@ -124,5 +215,5 @@ def _load_weights(folder: Path | str, torch_dtype: torch.dtype, kwargs: dict):
         summary = "; ".join(
             f"{key} ({len(names)}): {', '.join(names[:5])}" for key, names in problems.items()
         )
-        raise ModelLoadError(f"weights in {folder} do not match the model: {summary}")
+        raise ModelLoadError(f"weights in {located.name} do not match the model: {summary}")
     return model

@@ -39,6 +39,7 @@ class Factory:
         self.load_gate: threading.Event | None = None  # set: loads wait for it
         self.load_started = threading.Event()
         self.fail_next_load: Exception | None = None
+        self.failing: dict[str, Exception] = {}  # every load of these sources fails
         self.engines: dict[str, GatedEngine] = {}
         self.sizes: dict[str, int] = {}  # resident bytes per model id
 
@@ -50,6 +51,8 @@ class Factory:
         if self.fail_next_load is not None:
             error, self.fail_next_load = self.fail_next_load, None
             raise error
+        if spec.source in self.failing:
+            raise self.failing[spec.source]
         engine = self.engines[spec.id] = GatedEngine(self, spec)
         return engine
 
@@ -76,11 +79,18 @@ def spec(model_id="a", slots=1, keep_alive_s=None, load_on_startup=False, source
     )
 
 
-def runtime(*specs, factory=None, clock=None, **overrides):
+def runtime(*specs, factory=None, clock=None, source_check=None, **overrides):
     overrides.setdefault("parallel_slots", 4)
     config = settings(**overrides)
     specs = specs or (spec(),)
-    built = Runtime(config, factory or Factory(), list(specs), specs[0].id, clock or time.monotonic)
+    built = Runtime(
+        config,
+        factory or Factory(),
+        list(specs),
+        specs[0].id,
+        clock or time.monotonic,
+        source_check=source_check,
+    )
     built.start(idle_interval_s=None)
     return built
 

@@ -5,6 +5,7 @@ from fakes import AUTH, FakeScorer, row, settings
 from falcon import testing
 from runtime_fixtures import Background, Factory, Held, spec
 
+from semif_serve.boot import check_source as check
 from semif_serve.http import create_app
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService
@@ -16,7 +17,13 @@ ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 def client(admin_token=ADMIN, **overrides):
     config = settings(admin_token=admin_token, parallel_slots=2, **overrides)
     factory = Factory()
-    rt = Runtime(config, factory, [spec("a", slots=2, load_on_startup=True), spec("b")], "a")
+    rt = Runtime(
+        config,
+        factory,
+        [spec("a", slots=2, load_on_startup=True), spec("b")],
+        "a",
+        source_check=lambda spec: None if spec.source.startswith("test:") else check(config, spec),
+    )
     rt.start(idle_interval_s=None)
     return testing.TestClient(create_app(DecisionService(rt, config), config)), rt, factory
 
@@ -138,3 +145,74 @@ def test_management_calls_do_not_count_toward_max_queue():
 def test_health_reports_the_loaded_default_model():
     api, _, _ = client()
     assert api.simulate_get("/health").json["model"] == FakeScorer().model_info()
+
+
+# --- issue 13: reconfigure and load failures, bounded management fields ---------------------------
+
+
+def put(api, model_id, table):
+    return api.simulate_put(f"/v1/models/{model_id}", json=table, headers=ADMIN_AUTH)
+
+
+def test_a_mistyped_source_is_400_and_the_model_keeps_serving(tmp_path):
+    api, rt, factory = client()
+    (tmp_path / "config.json").write_text("{not json")
+    for source, message in [
+        ("/nonexistent/x", "a.source: model folder '/nonexistent/x' does not exist"),
+        (str(tmp_path), "a.source: cannot read the config of model"),
+    ]:
+        response = put(api, "a", {"source": source, "device": "cpu"})
+        assert code(response) == (400, "invalid_request")
+        assert response.json["error"]["message"].startswith(message)
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
+    assert factory.events == [("load", "a")]
+
+
+def test_a_reconfigure_whose_load_fails_is_503_model_load_failed_and_the_old_model_serves():
+    api, rt, factory = client()
+    factory.failing["test:a2"] = OSError("shard 2 is missing")
+    response = put(api, "a", {"source": "test:a2", "device": "cpu"})
+    assert code(response) == (503, "model_load_failed")
+    assert response.headers["retry-after"] == "5"
+    assert response.json["error"]["message"] == "loading model 'a' failed: shard 2 is missing"
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
+    [a, _] = api.simulate_get("/v1/models", headers=AUTH).json["models"]
+    assert (a["state"], a["source"]) == ("ready", "test:a")
+    assert a["last_load_error"]["message"] == "loading model 'a' failed: shard 2 is missing"
+
+
+def test_a_model_that_cannot_load_answers_each_request_503_model_load_failed():
+    api, rt, factory = client()
+    factory.failing["test:b"] = OSError("weights missing")
+    for _ in range(2):
+        response = api.simulate_post("/decide", json=row(model="b"), headers=AUTH)
+        assert code(response) == (503, "model_load_failed")
+        assert response.headers["retry-after"] == "5"
+    assert factory.events == [("load", "a"), ("load", "b"), ("load", "b")]  # each one retried
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_tokens", 10**400, "c.max_tokens: must be an integer >= 1 and <= 1048576, got 1000"),
+        ("max_tokens", (1 << 20) + 1, "c.max_tokens: must be an integer >= 1 and <= 1048576"),
+        ("keep_alive_s", 10**400, "c.keep_alive_s: must be a number of seconds > 0 and <= "),
+        ("keep_alive_s", 30 * 24 * 3600 + 1, "c.keep_alive_s: must be a number of seconds"),
+        ("slots", 10**400, "c.slots: must be an integer 1..16, got 1000"),
+    ],
+)
+def test_absurd_numbers_in_a_model_table_are_400_naming_the_field(key, value, message):
+    api, _, factory = client()
+    response = put(api, "c", {"source": "test:c", "device": "cpu", key: value})
+    assert code(response) == (400, "invalid_request")
+    assert response.json["error"]["message"].startswith(message)
+    assert len(response.json["error"]["message"]) < 200  # a 400-digit number is not echoed
+    assert factory.events == [("load", "a")]
+
+
+def test_the_largest_bounded_values_are_accepted():
+    api, rt, _ = client()
+    table = {"source": "test:c", "device": "cpu", "max_tokens": 1 << 20}
+    response = put(api, "c", {**table, "keep_alive_s": 30 * 24 * 3600, "slots": 2})
+    assert response.status_code == 200 and response.json["keep_alive_s"] == 30 * 24 * 3600
+    assert rt.entry("c").spec.max_tokens == 1 << 20

@@ -2,6 +2,7 @@
 the built-in SmolLM2; missing weights and moving revisions are errors."""
 
 import importlib.metadata
+import json
 import re
 
 import pytest
@@ -12,7 +13,7 @@ from tiny_models import byte_tokenizer, tiny_qwen35_config
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 from semif_serve import builtin
-from semif_serve.loading import ModelLoadError, load_model
+from semif_serve.loading import ModelLoadError, inspect_source, load_model
 from semif_serve.scoring import score
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -126,7 +127,7 @@ def test_cuda_without_a_gpu_is_refused(tmp_path):
 
 
 def test_an_unknown_builtin_is_refused(tmp_path):
-    with pytest.raises(OSError, match="unknown built-in model 'builtin:gpt-5'"):
+    with pytest.raises(ModelLoadError, match="unknown built-in model 'builtin:gpt-5'"):
         load_model("builtin:gpt-5", cache_dir=tmp_path)
 
 
@@ -150,6 +151,10 @@ def test_the_builtin_model_converts_once_then_loads_the_snapshot(
     row = make_rows(1, [4])[0]
     first, second = (score(model, row, max_tokens=4096) for model in (smollm2, again))
     assert first["option_logits"] == second["option_logits"]
+    weights = (snapshots[0] / "model.safetensors").stat().st_size
+    assert (
+        inspect_source(builtin.SMOLLM2, dtype="bfloat16", cache_dir=builtin_cache) == weights // 2
+    )
 
 
 def test_the_cache_dir_comes_from_the_argument_then_the_environment(monkeypatch, tmp_path):
@@ -163,3 +168,64 @@ def test_the_cache_dir_comes_from_the_argument_then_the_environment(monkeypatch,
 def test_a_missing_folder_is_named_as_such(tmp_path):
     with pytest.raises(ModelLoadError, match="model folder .*nowhere' does not exist"):
         load_model(str(tmp_path / "nowhere"))
+
+
+# --- inspect_source: a reconfigure's check before anything is torn down (issue 13, finding 7) ----
+
+
+def test_inspecting_a_folder_reads_its_config_and_estimates_its_weights_in_the_dtype(tmp_path):
+    save_tiny(tmp_path)  # saved in float32
+    saved = (tmp_path / "model.safetensors").stat().st_size
+    assert inspect_source(str(tmp_path), dtype="float32") == saved
+    assert inspect_source(str(tmp_path), dtype="bfloat16") == saved // 2
+
+
+def test_inspecting_a_hub_id_finds_its_snapshot_in_the_local_cache(tmp_path):
+    cache = fake_hub_cache(tmp_path)
+    snapshot = cache / "models--acme--tiny" / "snapshots" / SHA
+    expected = (snapshot / "model.safetensors").stat().st_size // 2
+    assert inspect_source("acme/tiny", SHA, dtype="float16", hub_cache_dir=cache) == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "revision", "message"),
+    [
+        ("/nonexistent/x", None, "model folder '/nonexistent/x' does not exist"),
+        ("acme/tiny", "f" * 40, "that commit is not in the local Hugging Face cache"),
+        ("acme/tiny", "main", "needs a pinned 40-hex commit"),
+        ("builtin:gpt-5", None, "unknown built-in model 'builtin:gpt-5'"),
+    ],
+)
+def test_inspecting_a_source_that_is_not_here_is_a_load_error(tmp_path, source, revision, message):
+    cache = fake_hub_cache(tmp_path / "hub")
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        inspect_source(source, revision, hub_cache_dir=cache, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("config", [None, "{not json", '{"model_type": "no-such-model"}'])
+def test_inspecting_a_folder_whose_config_cannot_load_is_a_load_error(tmp_path, config):
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match="cannot read the config of model"):
+        inspect_source(str(tmp_path))
+
+
+def test_inspecting_weights_in_an_unknown_dtype_or_none_at_all(tmp_path):
+    save_tiny(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    saved = (tmp_path / "model.safetensors").stat().st_size
+    assert inspect_source(str(tmp_path), dtype="bfloat16") == saved  # taken as it is
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    assert inspect_source(str(tmp_path), dtype="bfloat16") == saved
+    (tmp_path / "pytorch_model.bin").unlink()
+    assert inspect_source(str(tmp_path)) is None
+
+
+def test_inspecting_the_builtin_model_converts_nothing(tmp_path, monkeypatch):
+    def no_conversion(*args):
+        raise AssertionError("inspecting must not convert")
+
+    monkeypatch.setattr(builtin, "_convert", no_conversion)
+    assert inspect_source(builtin.SMOLLM2, cache_dir=tmp_path) is None  # not converted yet

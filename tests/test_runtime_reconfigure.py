@@ -1,0 +1,312 @@
+"""Issue 13, finding 7: a reconfigure never costs the serving model.
+
+A source that cannot load is refused before anything changes; new weights load beside the old
+ones when SEMIF_MEMORY_BUDGET_GIB and SEMIF_VRAM_CAP_GIB allow, and the switch happens only once
+the new engine is built (warm-up included); otherwise the old engine goes first and comes back
+when the new one fails. Every failed load is the model's last_load_error until a load succeeds.
+Fake engines; every wait is bounded.
+"""
+
+import re
+import threading
+from dataclasses import replace
+
+import pytest
+from fakes import WAIT_S
+from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
+
+from semif_serve.boot import check_source
+from semif_serve.errors import BadManagementRequest, InsufficientMemory, ModelLoadFailed
+
+GIB = 1 << 30
+NEW = {"source": "test:a2", "device": "cpu"}
+
+
+def sized(factory, **sizes_gib):
+    factory.sizes = {model_id: int(gib * GIB) for model_id, gib in sizes_gib.items()}
+    return factory
+
+
+def estimate(gib):
+    return lambda spec: None if gib is None else int(gib * GIB)
+
+
+def served_by(rt, model_id="a"):
+    return Held(rt, model_id).finish().engine
+
+
+# --- the check before anything changes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_id", ["a", "new"])
+def test_a_source_that_does_not_exist_is_refused_before_anything_changes(model_id):
+    factory = Factory()
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        factory=factory,
+        source_check=lambda spec: check_source(rt._settings, spec),
+    )
+    before = rt.status()
+    with pytest.raises(
+        BadManagementRequest,
+        match=f"^{model_id}\\.source: model folder '/nonexistent/x' does not exist$",
+    ):
+        rt.register(model_id, {"source": "/nonexistent/x", "device": "cpu"})
+    assert rt.status() == before  # nothing registered, torn down or recorded
+    assert factory.events == [("load", "a")]
+
+
+# --- beside the old engine ------------------------------------------------------------------------
+
+
+def test_new_weights_load_beside_the_old_and_the_switch_follows_the_warm_up():
+    factory = Factory()
+    rt = runtime(spec("a", load_on_startup=True), factory=factory)
+    old = factory.engines["a"]
+    factory.load_gate, factory.load_started = threading.Event(), threading.Event()
+    register = Background(lambda: rt.register("a", NEW))
+    assert factory.load_started.wait(WAIT_S)
+    status = rt.entry("a").status()
+    assert status["state"] == "reconfiguring" and status["source"] == "test:a"
+    assert rt.entry("a").engine is old and ("close", "a") not in factory.events
+    factory.load_gate.set()
+    assert register.result()["source"] == "test:a2"
+    assert factory.events == [("load", "a"), ("load", "a"), ("close", "a")]
+    assert served_by(rt).spec.source == "test:a2"
+
+
+def test_a_failed_load_beside_keeps_the_old_engine_and_spec_and_reports_it():
+    factory = Factory()
+    factory.failing["test:a2"] = OSError("shard 2 is missing")
+    rt = runtime(spec("a", load_on_startup=True), factory=factory)
+    old = factory.engines["a"]
+    with pytest.raises(ModelLoadFailed, match="^loading model 'a' failed: shard 2 is missing$"):
+        rt.register("a", NEW)
+    status = rt.entry("a").status()
+    assert (status["state"], status["source"]) == ("ready", "test:a")
+    error = status["last_load_error"]
+    assert error["message"] == "loading model 'a' failed: shard 2 is missing"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", error["at"])
+    assert served_by(rt) is old and ("close", "a") not in factory.events
+    del factory.failing["test:a2"]
+    rt.register("a", NEW)  # the next successful load clears the error
+    assert rt.entry("a").status()["last_load_error"] is None
+
+
+def test_a_new_engine_with_too_few_slots_is_dropped_and_the_old_one_serves():
+    factory = Factory()
+    rt = runtime(spec("a", slots=1, load_on_startup=True), factory=factory)
+    old = factory.engines["a"]
+    factory.capacity = 2
+    with pytest.raises(BadManagementRequest, match="^a.slots: 3 is more than the 2 this model"):
+        rt.register("a", {**NEW, "slots": 3})
+    assert served_by(rt) is old
+    assert factory.events == [("load", "a"), ("load", "a"), ("close", "a")]  # the new one closed
+    assert factory.engines["a"] is not old
+
+
+def test_a_new_engine_over_the_budget_that_busy_models_hold_is_refused_and_the_old_serves():
+    factory = sized(Factory(), a=1, b=2)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        spec("b", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=4,
+        source_check=estimate(0.5),  # the estimate says beside; the built engine is bigger
+    )
+    old = factory.engines["a"]
+    busy = Held(rt, "b")
+    assert busy.admitted.wait(WAIT_S)
+    factory.sizes["a"] = int(2.5 * GIB)
+    with pytest.raises(InsufficientMemory, match="needs 2.50 GiB"):
+        rt.register("a", NEW)
+    busy.finish()
+    assert served_by(rt) is old and rt.entry("a").spec.source == "test:a"
+
+
+# --- when they do not fit beside: the old engine goes first ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget_gib", "new_gib", "order"),
+    [
+        (None, None, "beside"),  # no limit: nothing bounds it
+        (2, 0.5, "beside"),  # 1 + 0.5 <= 2
+        (2, 1, "beside"),  # exactly the budget
+        (2, 1.5, "instead"),  # 1 + 1.5 > 2
+        (2, None, "instead"),  # a limit and no estimate
+    ],
+)
+def test_the_memory_budget_decides_between_beside_and_instead(budget_gib, new_gib, order):
+    factory = sized(Factory(), a=1)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=budget_gib,
+        source_check=estimate(new_gib),
+    )
+    rt.register("a", NEW)
+    expected = {
+        "beside": [("load", "a"), ("load", "a"), ("close", "a")],
+        "instead": [("load", "a"), ("close", "a"), ("load", "a")],
+    }
+    assert factory.events == expected[order]
+    assert served_by(rt).spec.source == "test:a2"
+
+
+def test_every_loaded_model_counts_against_the_budget():
+    factory = sized(Factory(), a=1, b=1)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        spec("b", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=2.5,
+        source_check=estimate(0.5),  # 1 + 1 + 0.5 <= 2.5
+    )
+    rt.register("a", NEW)
+    assert factory.events[-2:] == [("load", "a"), ("close", "a")]
+    factory.sizes["b"] = int(1.5 * GIB)
+    rt.unload("b"), served_by(rt, "b")  # b now holds 1.5: 1 + 1.5 + 0.5 > 2.5
+    rt.register("a", {**NEW, "source": "test:a4"})
+    assert factory.events[-2:] == [("close", "a"), ("load", "a")]
+
+
+def test_the_same_weights_are_estimated_by_the_old_engines_own_size():
+    factory = sized(Factory(), a=1)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=2,
+        source_check=estimate(None),
+    )
+    rt.register("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60})  # 1 + 1 <= 2
+    assert factory.events == [("load", "a"), ("load", "a"), ("close", "a")]
+    factory.sizes["a"] = int(1.5 * GIB)
+    rt.register("a", {"source": "test:a", "device": "cpu"})  # as built, 1 GiB: fits beside
+    rt.register("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 5})  # 1.5 + 1.5 > 2
+    assert factory.events[-2:] == [("close", "a"), ("load", "a")]
+
+
+def test_the_vram_cap_counts_only_gpu_models_and_only_for_a_gpu_model():
+    factory = sized(Factory(), a=1, b=1)
+    gpu = {**NEW, "device": "cuda"}
+    rt = runtime(
+        replace(spec("a", load_on_startup=True), device="cuda"),
+        spec("b", load_on_startup=True),  # on the CPU: not in the VRAM cap
+        factory=factory,
+        vram_cap_gib=2,
+        source_check=estimate(1),
+    )
+    rt.register("a", gpu)  # 1 + 1 <= 2 on the card; b's 1 GiB is not on it
+    assert factory.events[-2:] == [("load", "a"), ("close", "a")]
+    rt._source_check = estimate(1.5)
+    rt.register("b", {"source": "test:b2", "device": "cpu"})  # the cap is not the CPU's
+    assert factory.events[-2:] == [("load", "b"), ("close", "b")]
+    rt.register("a", {**gpu, "source": "test:a3"})  # 1 + 1.5 > 2 on the card
+    assert factory.events[-2:] == [("close", "a"), ("load", "a")]
+
+
+def test_when_the_new_weights_fail_instead_of_the_old_the_old_configuration_comes_back():
+    factory = sized(Factory(), a=1)
+    factory.failing["test:a2"] = OSError("shard 2 is missing")
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=1.5,
+        source_check=estimate(1),
+    )
+    with pytest.raises(ModelLoadFailed) as caught:
+        rt.register("a", NEW)
+    message = (
+        "loading model 'a' failed: shard 2 is missing; "
+        "the previous configuration was loaded again and serves"
+    )
+    assert str(caught.value) == message
+    assert factory.events == [("load", "a"), ("close", "a"), ("load", "a"), ("load", "a")]
+    status = rt.entry("a").status()
+    assert (status["state"], status["source"]) == ("ready", "test:a")
+    assert status["last_load_error"]["message"] == message
+    assert served_by(rt).spec.source == "test:a"
+
+
+def test_when_the_old_configuration_fails_too_the_model_is_unloaded_with_the_error():
+    factory = sized(Factory(), a=1)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=1.5,
+        source_check=estimate(1),
+    )
+    factory.failing = {"test:a2": OSError("new broken"), "test:a": OSError("old gone")}
+    with pytest.raises(ModelLoadFailed) as caught:
+        rt.register("a", NEW)
+    assert str(caught.value) == (
+        "loading model 'a' failed: new broken; loading the previous configuration failed too "
+        "(loading model 'a' failed: old gone); unloaded"
+    )
+    status = rt.entry("a").status()
+    assert (status["state"], status["source"]) == ("unloaded", "test:a")
+    assert status["last_load_error"]["message"] == str(caught.value)
+    assert isinstance(Held(rt, "a").finish().error, ModelLoadFailed)  # each request: 503
+    del factory.failing["test:a"]
+    assert served_by(rt).spec.source == "test:a"
+
+
+def test_a_refusal_instead_of_the_old_keeps_its_kind():
+    factory = sized(Factory(), a=1)
+    rt = runtime(
+        spec("a", slots=1, load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=1.5,
+        source_check=estimate(1),
+    )
+    factory.capacity = 2
+    with pytest.raises(
+        BadManagementRequest, match="slots: 3 is more than the 2 .*again and serves"
+    ):
+        rt.register("a", {**NEW, "slots": 3})
+    assert rt.entry("a").status()["state"] == "ready"
+
+
+# --- unloaded and new models ----------------------------------------------------------------------
+
+
+def test_an_unloaded_model_keeps_its_configuration_when_the_new_one_fails():
+    factory = Factory()
+    factory.failing["test:a2"] = OSError("broken")
+    rt = runtime(spec("a"), factory=factory)
+    with pytest.raises(ModelLoadFailed, match="broken"):
+        rt.register("a", NEW)
+    status = rt.entry("a").status()
+    assert (status["state"], status["source"]) == ("unloaded", "test:a")
+    assert served_by(rt).spec.source == "test:a"
+
+
+def test_a_new_model_that_fails_to_load_stays_registered_with_its_error():
+    factory = Factory()
+    factory.failing["test:b"] = OSError("broken")
+    rt = runtime(spec("a"), factory=factory)
+    with pytest.raises(ModelLoadFailed, match="broken"):
+        rt.register("b", {"source": "test:b", "device": "cpu"})
+    status = rt.entry("b").status()
+    assert status["state"] == "unloaded" and "broken" in status["last_load_error"]["message"]
+    assert isinstance(Held(rt, "b").finish().error, ModelLoadFailed)  # retried, and failed
+    del factory.failing["test:b"]
+    assert served_by(rt, "b").spec.source == "test:b"
+    assert rt.entry("b").status()["last_load_error"] is None
+
+
+def test_a_request_queued_behind_a_failed_reconfigure_runs_on_the_old_engine():
+    factory = Factory()
+    rt = runtime(spec("a", load_on_startup=True), factory=factory)
+    old = factory.engines["a"]
+    factory.failing["test:a2"] = OSError("broken")
+    factory.load_gate, factory.load_started = threading.Event(), threading.Event()
+    register = Background(lambda: rt.register("a", NEW))
+    assert factory.load_started.wait(WAIT_S)
+    later = Held(rt, "a")
+    wait_until(lambda: rt.entry("a").status()["queued_requests"] == 1)
+    factory.load_gate.set()
+    with pytest.raises(ModelLoadFailed):
+        register.result()
+    assert later.finish().engine is old
