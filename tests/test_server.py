@@ -1,6 +1,8 @@
 """The service under a real gunicorn on 127.0.0.1: threads, admission, body limit, framing,
 shutdown. Each test starts and stops its own server; every wait is bounded."""
 
+import http.client
+import json
 import select
 import signal
 import threading
@@ -9,6 +11,8 @@ import time
 import pytest
 from fakes import AUTH, TOKEN, WAIT_S, row
 from live_server import fake_server, read_response, wait_for_file
+
+from semif_serve.server import EXIT_CUT_OFF
 
 pytestmark = pytest.mark.server
 
@@ -119,6 +123,43 @@ def test_sigterm_while_a_request_is_scoring_lets_it_finish(tmp_path):
         thread.join(WAIT_S)
         assert responses and responses[0][0] == 200
         assert server.process.wait(WAIT_S * 3) == 0
+
+
+def test_sigterm_refuses_new_connections_at_once_and_reports_requests_it_cuts_off(tmp_path):
+    # Issue 13, finding 6: after SIGTERM new connections were accepted and left hanging, and a
+    # request still running when the grace period ended vanished: no log line, exit status 0.
+    grace_s = 4
+    with fake_server(tmp_path, gated=True, SEMIF_GRACEFUL_TIMEOUT_S=str(grace_s)) as server:
+        control = tmp_path / "control"
+        outcome = []
+
+        def call():  # the scorer is never released: this request outlives the grace period
+            headers = {**AUTH, "X-Request-Id": "cut-1"}
+            try:
+                outcome.append(server.request("POST", "/decide", row(), headers, timeout=WAIT_S))
+            except (OSError, http.client.HTTPException) as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        wait_for_file(control / "entered-1")
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while True:  # gunicorn only stopped accepting: the kernel kept queueing connections
+            try:
+                server.connect(timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < signalled + grace_s / 2, "still accepting after SIGTERM"
+            time.sleep(0.01)
+        assert outcome == [], "refused only once the drain was over"
+        assert server.process.wait(WAIT_S) == EXIT_CUT_OFF
+        thread.join(WAIT_S)
+        assert isinstance(outcome[0], Exception)  # the connection closed without a reply
+        lines = [json.loads(line) for line in server.log_text().splitlines() if "cut_off" in line]
+        assert [
+            (line["request_id"], line["method"], line["route"], line["status"]) for line in lines
+        ] == [("cut-1", "POST", "/decide", None)]
 
 
 def test_unknown_routes_through_gunicorn_get_the_envelope(tmp_path):
