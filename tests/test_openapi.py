@@ -1,12 +1,26 @@
 """docs/openapi.yaml is valid OpenAPI 3.1 and the app keeps to it."""
 
+import re
+
 import pytest
 from fakes import AUTH, FakeScorer, decision, fake_app, row
 from falcon import testing
 from openapi_check import spec, validate_reply, validate_request
 from openapi_spec_validator import validate as validate_spec
 
+from semif_serve.config import DTYPES, Settings
+from semif_serve.decisions import MAX_OPTIONS_FOR_ALL, ORDERINGS
 from semif_serve.http.errors import FALCON_CODES, STATUS_AND_CODE
+from semif_serve.runtime.service import MAX_TIMEOUT_S
+from semif_serve.runtime.specs import (
+    MAX_KEEP_ALIVE_S,
+    MAX_SLOTS,
+    MAX_TOKENS_LIMIT,
+    MODEL_ID,
+    RESERVED_IDS,
+    SPEC_KEYS,
+)
+from semif_serve.scoring.rows import MAX_OPTIONS, MAX_STATE_DEPTH, MIN_OPTIONS
 from semif_serve.server import GUNICORN_ERROR_CODES
 
 
@@ -86,3 +100,38 @@ def test_error_replies_match_the_envelope(headers, body, status):
     response = testing.TestClient(app).simulate_post("/decide", json=body, headers=headers)
     assert response.status_code == status
     validate_reply("/decide", "POST", status, response.json)
+
+
+def test_the_documented_limits_are_the_servers():
+    schemas = spec()["components"]["schemas"]
+    assert (schemas["Options"]["minItems"], schemas["Options"]["maxItems"]) == (
+        MIN_OPTIONS,
+        MAX_OPTIONS,
+    )
+    assert schemas["State"]["x-semif-max-depth"] == MAX_STATE_DEPTH
+    for name in ("DecideRequest", "Decision"):
+        (all_rule,) = [
+            rule for rule in schemas[name]["allOf"] if "options" in rule["then"]["properties"]
+        ]
+        assert all_rule["if"]["properties"]["orderings"]["const"] == "all"
+        assert all_rule["then"]["properties"]["options"]["maxItems"] == MAX_OPTIONS_FOR_ALL
+    assert schemas["Orderings"]["enum"] == list(ORDERINGS)
+    assert schemas["TimeoutS"]["maximum"] == MAX_TIMEOUT_S
+    decisions = schemas["DecideSharedRequest"]["properties"]["decisions"]
+    assert decisions["maxItems"] == Settings.__dataclass_fields__["max_decisions"].default
+    model = schemas["ModelSpec"]["properties"]
+    assert model["max_tokens"]["maximum"] == MAX_TOKENS_LIMIT
+    assert model["keep_alive_s"]["maximum"] == MAX_KEEP_ALIVE_S
+    assert model["slots"]["maximum"] == MAX_SLOTS
+    assert model["dtype"]["enum"] == list(DTYPES)
+    # `default` is a models-file key: it picks the default model, which a PUT cannot.
+    assert set(model) == SPEC_KEYS - {"default"}
+    assert schemas["NewModelId"]["pattern"] == f"^{MODEL_ID.pattern}$"
+    assert {schemas["NewModelId"]["not"]["const"]} == RESERVED_IDS
+
+
+def test_a_non_blank_string_is_one_that_strip_does_not_empty():
+    pattern = re.compile(spec()["components"]["schemas"]["NonBlank"]["pattern"])
+    for code in range(0x3100):
+        assert bool(pattern.search(chr(code))) == bool(chr(code).strip()), hex(code)
+    assert pattern.search(" \t x ") and not pattern.search(" \u3000\x85\n")

@@ -1,0 +1,200 @@
+"""What docs/openapi.yaml says beyond JSON Schema, made executable for tests/test_schemathesis.py.
+
+The document marks three things JSON Schema cannot say on its own (see its `info.description`):
+- `x-semif-deployment: <name>`: a value the running server publishes. `deployment_document`
+  fills each one in from `GET /health` and `GET /v1/models`, so the schema holds for that server.
+- `x-semif-rules`: cross-field rules, each `{id, rule}`. A body schemathesis generates as valid
+  that breaks one is not valid after all; `RULE_FILTERS[id]` recognises it, and the filter drops
+  it before it is sent. Each filter implements the rule of the same id and nothing more.
+- `x-semif-max-depth`: the most levels `state` may nest; the `state-depth` filter.
+
+Negative cases (generated to break the schema) are never dropped: the server must refuse them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Body = dict[str, Any]
+
+
+def walk(node: Any) -> Iterator[dict[str, Any]]:
+    """Every JSON object in a document, the outermost first."""
+    pending = [node]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            yield item
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
+# -- x-semif-deployment -------------------------------------------------------------------------
+
+
+def deployment_values(health: dict[str, Any], models: dict[str, Any]) -> dict[str, dict]:
+    """The keywords each `x-semif-deployment` name stands for on this server."""
+    return {
+        "workloads": {"enum": sorted(health["workloads"])},
+        "max_decisions": {"maxItems": health["max_decisions"]},
+        "model_ids": {"enum": sorted(model["id"] for model in models["models"])},
+    }
+
+
+def deployment_document(
+    document: dict[str, Any], health: dict[str, Any], models: dict[str, Any]
+) -> dict[str, Any]:
+    """A copy of the document with every `x-semif-deployment` filled in for this server."""
+    filled = copy.deepcopy(document)
+    values = deployment_values(health, models)
+    for schema in walk(filled):
+        name = schema.get("x-semif-deployment")
+        if name is not None:
+            schema.update(values[name])
+    return filled
+
+
+# -- x-semif-rules ------------------------------------------------------------------------------
+
+
+def _decisions(body: Body) -> list[Body]:
+    """The decisions of a /decide body (itself) or of a /decide/shared body."""
+    return body["decisions"] if "decisions" in body else [body]
+
+
+def _row_ids(decision: Body) -> list[str]:
+    """The ids of the rows one decision becomes (docs/api.md, "Order averaging")."""
+    mode = decision.get("orderings", "none")
+    if mode == "none":
+        return [decision["id"]]
+    count = len(decision["options"])
+    orderings = count if mode == "rotations" else math.factorial(count)
+    return [f"{decision['id']}#o{index}" for index in range(orderings)]
+
+
+def unique_option_ids(body: Body, health: dict[str, Any]) -> bool:
+    """unique-option-ids: no two options of a decision share an `id`."""
+    for decision in _decisions(body):
+        ids = [option["id"] for option in decision["options"]]
+        if len(set(ids)) != len(ids):
+            return False
+    return True
+
+
+def rows_within_max_decisions(body: Body, health: dict[str, Any]) -> bool:
+    """rows-within-max-decisions: rows after expanding orderings <= /health max_decisions."""
+    rows = sum(len(_row_ids(decision)) for decision in _decisions(body))
+    return rows <= health["max_decisions"]
+
+
+def unique_decision_ids(body: Body, health: dict[str, Any]) -> bool:
+    """unique-decision-ids: decision ids unique, and the row ids (`<id>#o<k>`) unique too."""
+    decisions = _decisions(body)
+    ids = [decision["id"] for decision in decisions]
+    rows = [row for decision in decisions for row in _row_ids(decision)]
+    return len(set(ids)) == len(ids) and len(set(rows)) == len(rows)
+
+
+INTEGER_FIELDS = ("max_tokens", "slots")  # of a model table, as the rule names them
+
+
+def integer_literals(body: Body, health: dict[str, Any]) -> bool:
+    """integer-literals: `max_tokens` and `slots` are JSON integers, never `5.0`."""
+    return not any(isinstance(body.get(key), float) for key in INTEGER_FIELDS)
+
+
+RULE_FILTERS: dict[str, Callable[[Body, dict[str, Any]], bool]] = {
+    "unique-option-ids": unique_option_ids,
+    "rows-within-max-decisions": rows_within_max_decisions,
+    "unique-decision-ids": unique_decision_ids,
+    "integer-literals": integer_literals,
+}
+# Rules that need no filter against the fake scorer, and why.
+RULES_WITHOUT_FILTER = {
+    "prompt-within-max-tokens": "the fake scorer has no tokenizer, so no prompt is too long",
+}
+
+
+def nesting_depth(value: Any) -> int:
+    """Levels of arrays/objects: a string or number is 0, `{"a": [1]}` is 2 (no recursion)."""
+    deepest = 0
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            depth += 1
+            deepest = max(deepest, depth)
+            pending.extend((child, depth) for child in _children(item))
+    return deepest
+
+
+def _children(item: dict | list) -> list[Any]:
+    return list(item.values()) if isinstance(item, dict) else item
+
+
+def state_depth_filter(limit: int) -> Callable[[Body, dict[str, Any]], bool]:
+    def state_depth(body: Body, health: dict[str, Any]) -> bool:
+        """state-depth: `state` nests at most `x-semif-max-depth` levels."""
+        return nesting_depth(body["state"]) <= limit
+
+    return state_depth
+
+
+# -- which rules hold for which request body ----------------------------------------------------
+
+
+def resolve(document: dict[str, Any], node: Any) -> Any:
+    if isinstance(node, dict) and "$ref" in node:
+        target: Any = document
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        return target
+    return node
+
+
+def reachable(document: dict[str, Any], schema: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object reachable from `schema`, following `$ref`s, each once."""
+    seen: set[int] = set()
+    pending = [schema]
+    while pending:
+        node = resolve(document, pending.pop())
+        if isinstance(node, dict):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            yield node
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+
+
+def body_rules(
+    document: dict[str, Any], body_schema: dict[str, Any]
+) -> dict[str, Callable[[Body, dict[str, Any]], bool]]:
+    """The filters for every rule a request body schema carries, by rule id.
+
+    A rule id this module does not know fails loudly: the document and the test must not drift.
+    """
+    filters: dict[str, Callable[[Body, dict[str, Any]], bool]] = {}
+    for schema in reachable(document, body_schema):
+        for rule in schema.get("x-semif-rules", []):
+            rule_id = rule["id"]
+            if rule_id in RULE_FILTERS:
+                filters[rule_id] = RULE_FILTERS[rule_id]
+            elif rule_id not in RULES_WITHOUT_FILTER:
+                raise KeyError(f"docs/openapi.yaml rule {rule_id!r} has no filter here")
+        if "x-semif-max-depth" in schema:
+            filters["state-depth"] = state_depth_filter(schema["x-semif-max-depth"])
+    return filters
+
+
+def request_body_schema(document: dict[str, Any], path: str, method: str) -> dict | None:
+    operation = document["paths"][path][method.lower()]
+    body = operation.get("requestBody")
+    if body is None:
+        return None
+    return body["content"]["application/json"]["schema"]
