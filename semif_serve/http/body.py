@@ -73,8 +73,10 @@ def _read_chunk(stream: IO[bytes], want: int) -> bytes:
         raise RequestTimeout(
             "the body did not arrive within the server's deadline (SEMIF_BODY_TIMEOUT_S)"
         ) from None
-    except OSError as error:  # the peer went away mid-body (gunicorn's NoMoreData, a reset)
-        raise IncompleteBody(f"the body ended before it was complete: {error}") from None
+    except OSError:  # the peer went away mid-body (gunicorn's NoMoreData, a reset)
+        raise IncompleteBody(
+            "the body ended before it was complete (the client closed the connection)"
+        ) from None
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
