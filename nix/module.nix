@@ -64,6 +64,9 @@ let
     // optionalAttrs (cfg.maxDecisions != null) { SEMIF_MAX_DECISIONS = toString cfg.maxDecisions; }
     // optionalAttrs (cfg.maxBodyBytes != null) { SEMIF_MAX_BODY_BYTES = toString cfg.maxBodyBytes; }
     // optionalAttrs (cfg.maxQueue != null) { SEMIF_MAX_QUEUE = toString cfg.maxQueue; }
+    // optionalAttrs (cfg.maxConnections != null) { SEMIF_MAX_CONNECTIONS = toString cfg.maxConnections; }
+    // optionalAttrs (cfg.headerTimeoutSec != null) { SEMIF_HEADER_TIMEOUT_S = toString cfg.headerTimeoutSec; }
+    // optionalAttrs (cfg.bodyTimeoutSec != null) { SEMIF_BODY_TIMEOUT_S = toString cfg.bodyTimeoutSec; }
     // optionalAttrs (cfg.calibrationFile != null) { SEMIF_CALIBRATION = "${cfg.calibrationFile}"; }
     // cfg.environment;
 
@@ -197,6 +200,24 @@ in
       type = limit;
       default = null;
       description = "SEMIF_MAX_QUEUE (unset: 32).";
+    };
+
+    maxConnections = mkOption {
+      type = limit;
+      default = null;
+      description = "SEMIF_MAX_CONNECTIONS: open connections the server holds; more wait in the listen backlog (unset: 1000).";
+    };
+
+    headerTimeoutSec = mkOption {
+      type = limit;
+      default = null;
+      description = "SEMIF_HEADER_TIMEOUT_S: a request's line and headers must arrive within this, else the connection is closed (unset: 10).";
+    };
+
+    bodyTimeoutSec = mkOption {
+      type = limit;
+      default = null;
+      description = "SEMIF_BODY_TIMEOUT_S: a request's body must arrive within this after its headers, else 408 (unset: 30).";
     };
 
     calibrationFile = mkOption {

@@ -2,7 +2,8 @@
 `evaluate`, `calibrate` and `accept` measure a model or a running server on labelled decisions.
 
 Exit status: 0 done; 2 a bad row (named by line), a missing file, an unloadable model or an
-unreachable server, with a one-line message on stderr; 1 when `accept` finds a failing check.
+unreachable server, with a one-line message on stderr; 1 when `accept` finds a failing check;
+5 when `serve` stopped with requests cut off by SEMIF_GRACEFUL_TIMEOUT_S (each one logged).
 """
 
 from __future__ import annotations
