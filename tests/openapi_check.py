@@ -34,6 +34,6 @@ def validate_reply(path: str, method: str, status: int, body) -> None:
     validate(schema_for(path, method, status), body)
 
 
-def validate_request(path: str, body) -> None:
-    request = spec()["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+def validate_request(path: str, body, method: str = "post") -> None:
+    request = spec()["paths"][path][method]["requestBody"]["content"]["application/json"]
     validate(request["schema"], body)
