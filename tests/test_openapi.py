@@ -143,10 +143,6 @@ ADMIN = {"Authorization": "Bearer " + "b" * 40}
 DEEPEST_STATE: list = [1]
 for _ in range(MAX_STATE_DEPTH - 1):
     DEEPEST_STATE = [DEEPEST_STATE]
-DUPLICATE_DECISION_IDS = (
-    "DEFECT (reported to the lead): decision ids are only checked as row ids, so a decision "
-    "without orderings and one with orderings may share an id; the reply has two results 'a'"
-)
 
 
 def shared(*decisions, **extra):
@@ -174,10 +170,7 @@ BROKEN_RULES = [
     ),
     ("unique-decision-ids", "/decide/shared", shared(decision("a"), decision("a")), False),
     ("unique-decision-ids", "/decide/shared", shared(decision("a#o1"), decision("a", orderings="rotations")), False),
-    pytest.param(
-        "unique-decision-ids", "/decide/shared", shared(decision("a"), decision("a", orderings="rotations")), False,
-        marks=pytest.mark.xfail(strict=True, reason=DUPLICATE_DECISION_IDS),
-    ),
+    ("unique-decision-ids", "/decide/shared", shared(decision("a"), decision("a", orderings="rotations")), False),
     ("state-depth", "/decide", row(state=[DEEPEST_STATE]), False),
     ("integer-literals", "/v1/models/{model_id}", {"source": "s", "max_tokens": 5.0}, False),
     ("integer-literals", "/v1/models/{model_id}", {"source": "s", "slots": 2.0}, False),

@@ -203,14 +203,17 @@ def _check_workload_without_orderings(workload: str | None, decisions: list[_Dec
 
 
 def _check_unique_ids(decisions: list[_Decision]) -> None:
+    """Decision ids and the `<id>#o<k>` ids of their orderings share one namespace, so every id
+    in the reply (a result's, or an ordering's) names one thing."""
     owners: dict[str, str] = {}
     for decision in decisions:
-        for row in decision.rows:
-            if row.id in owners:
+        # A plain decision's one row carries the decision's own id: count it once.
+        for name in dict.fromkeys([decision.id, *(row.id for row in decision.rows)]):
+            if name in owners:
                 raise InvalidRequest(
-                    f"{decision.field}id: {row.id!r} is already used by {owners[row.id]}"
+                    f"{decision.field}id: {name!r} is already used by {owners[name]}"
                 )
-            owners[row.id] = decision.field.rstrip(".")
+            owners[name] = decision.field.rstrip(".")
 
 
 def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
