@@ -92,11 +92,15 @@ def rows_within_max_decisions(body: Body, health: dict[str, Any]) -> bool:
 
 
 def unique_decision_ids(body: Body, health: dict[str, Any]) -> bool:
-    """unique-decision-ids: decision ids unique, and the row ids (`<id>#o<k>`) unique too."""
-    decisions = _decisions(body)
-    ids = [decision["id"] for decision in decisions]
-    rows = [row for decision in decisions for row in _row_ids(decision)]
-    return len(set(ids)) == len(ids) and len(set(rows)) == len(rows)
+    """unique-decision-ids: decision ids and their orderings' row ids (`<id>#o<k>`) share one
+    namespace; no id belongs to two decisions."""
+    seen: set[str] = set()
+    for decision in _decisions(body):
+        names = {decision["id"], *_row_ids(decision)}
+        if names & seen:
+            return False
+        seen |= names
+    return True
 
 
 INTEGER_FIELDS = ("max_tokens", "slots")  # of a model table, as the rule names them

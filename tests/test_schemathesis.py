@@ -216,6 +216,21 @@ HEALTH = {"max_decisions": 8, "workloads": {"triage": 1.3}}
             {"decisions": [decision("d#o1"), decision("d", orderings="rotations")]},
             False,
         ),
+        (
+            "unique-decision-ids",
+            {
+                "decisions": [
+                    decision("d#o0", orderings="rotations"),
+                    decision("d", orderings="all"),
+                ]
+            },
+            False,
+        ),
+        (
+            "unique-decision-ids",
+            {"decisions": [decision("d", orderings="rotations"), decision("e", orderings="all")]},
+            True,
+        ),
         ("integer-literals", {"source": "s", "max_tokens": 5, "keep_alive_s": 5.0}, True),
         ("integer-literals", {"source": "s", "max_tokens": 5.0}, False),
         ("integer-literals", {"source": "s", "slots": 2.0}, False),
