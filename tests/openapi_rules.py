@@ -38,8 +38,10 @@ def walk(node: Any) -> Iterator[dict[str, Any]]:
 
 def deployment_values(health: dict[str, Any], models: dict[str, Any]) -> dict[str, dict]:
     """The keywords each `x-semif-deployment` name stands for on this server."""
+    workloads = sorted(health["workloads"])
     return {
-        "workloads": {"enum": sorted(health["workloads"])},
+        # No calibration table: no workload is valid (an empty `enum` is not allowed).
+        "workloads": {"enum": workloads} if workloads else {"not": {}},
         "max_decisions": {"maxItems": health["max_decisions"]},
         "model_ids": {"enum": sorted(model["id"] for model in models["models"])},
     }

@@ -283,5 +283,7 @@ def test_the_deployment_values_come_from_the_server():
     assert schemas["ModelId"]["enum"] == ["default", "small"]
     assert schemas["DecideSharedRequest"]["properties"]["decisions"]["maxItems"] == 8
     assert "enum" not in spec()["components"]["schemas"]["Workload"]  # the original is untouched
+    without_table = deployment_document(spec(), {**HEALTH, "workloads": {}}, models)
+    assert without_table["components"]["schemas"]["Workload"]["not"] == {}
     names = {s["x-semif-deployment"] for s in walk(spec()) if "x-semif-deployment" in s}
     assert names == {"workloads", "max_decisions", "model_ids"}
