@@ -3,16 +3,17 @@
 import re
 
 import pytest
-from fakes import AUTH, FakeScorer, decision, fake_app, row
+from fakes import AUTH, FakeScorer, decision, fake_app, row, settings
 from falcon import testing
 from jsonschema import ValidationError
-from openapi_check import spec, validate_reply, validate_request
+from openapi_check import spec, validate, validate_reply, validate_request
 from openapi_rules import RULE_FILTERS
 from openapi_spec_validator import validate as validate_spec
 
 from semif_serve.config import DTYPES, Settings
 from semif_serve.decisions import MAX_OPTIONS_FOR_ALL, ORDERINGS
 from semif_serve.http.errors import FALCON_CODES, STATUS_AND_CODE
+from semif_serve.runtime.entry import ModelEntry
 from semif_serve.runtime.service import MAX_TIMEOUT_S
 from semif_serve.runtime.specs import (
     MAX_KEEP_ALIVE_S,
@@ -21,6 +22,7 @@ from semif_serve.runtime.specs import (
     MODEL_ID,
     RESERVED_IDS,
     SPEC_KEYS,
+    default_spec,
 )
 from semif_serve.scoring.rows import MAX_OPTIONS, MAX_STATE_DEPTH, MIN_OPTIONS
 from semif_serve.server import GUNICORN_ERROR_CODES
@@ -229,3 +231,10 @@ def test_a_model_table_key_the_document_does_not_list_is_refused():
     app, _ = fake_app(admin_token="b" * 40)
     response = testing.TestClient(app).simulate_put("/v1/models/m", json=body, headers=ADMIN)
     assert response.status_code == 400, response.json
+
+
+def test_a_model_status_with_a_load_error_matches_its_schema():
+    entry = ModelEntry(default_spec(settings()))
+    validate({"$ref": "#/components/schemas/ModelStatus"}, entry.status())
+    entry.record_load_error("loading model 'default' failed: no such folder")
+    validate({"$ref": "#/components/schemas/ModelStatus"}, entry.status())
