@@ -3,9 +3,11 @@
 The document marks three things JSON Schema cannot say on its own (see its `info.description`):
 - `x-semif-deployment: <name>`: a value the running server publishes. `deployment_document`
   fills each one in from `GET /health` and `GET /v1/models`, so the schema holds for that server.
-- `x-semif-rules`: cross-field rules, each `{id, rule}`. A body schemathesis generates as valid
-  that breaks one is not valid after all; `RULE_FILTERS[id]` recognises it, and the filter drops
-  it before it is sent. Each filter implements the rule of the same id and nothing more.
+- `x-semif-rules`: rules JSON Schema cannot express (cross-field ones, and how integers are
+  written), each `{id, rule}`. A body schemathesis generates as valid that breaks one is not
+  valid after all; `RULE_FILTERS[id]` recognises it, and the filter drops it before it is sent.
+  Each filter implements the rule of the same id and nothing more; a rule the fake server cannot
+  break has its reason in `RULES_WITHOUT_FILTER` instead.
 - `x-semif-max-depth`: the most levels `state` may nest; the `state-depth` filter.
 
 Negative cases (generated to break the schema) are never dropped: the server must refuse them.
@@ -22,7 +24,7 @@ Body = dict[str, Any]
 
 
 def walk(node: Any) -> Iterator[dict[str, Any]]:
-    """Every JSON object in a document, the outermost first."""
+    """Every JSON object in a document (a mapping anywhere in it)."""
     pending = [node]
     while pending:
         item = pending.pop()
