@@ -7,18 +7,10 @@ from fake_torch import GIB, FakeTorch
 from fakes import AUTH, row, settings
 from falcon import testing
 
-from semif_serve.boot import (
-    StartupError,
-    TorchScorer,
-    build_engine,
-    check_source,
-    missing_fast_kernels,
-)
+from semif_serve.boot import StartupError, TorchScorer, build_engine, missing_fast_kernels
 from semif_serve.engine import Engine
-from semif_serve.errors import BadManagementRequest
 from semif_serve.http import create_app
 from semif_serve.runtime.service import DecisionService
-from semif_serve.runtime.specs import parse_spec
 from semif_serve.server import build_runtime
 
 
@@ -217,34 +209,3 @@ def test_cpu_capacity_comes_from_the_memory_budget(smollm2):
     assert engine.max_parallel_slots == min(
         16, int((GIB - parameter_bytes(smollm2.model)) // per_decision)
     )
-
-
-# --- check_source: a reconfigure's check before anything is torn down (issue 13, finding 7) ----
-
-
-def test_the_source_check_passes_the_spec_to_the_inspector_and_returns_its_estimate(tmp_path):
-    seen = []
-
-    def inspect(source, revision, **kwargs):
-        seen.append((source, revision, kwargs))
-        return 12345
-
-    config = settings(cache_dir=tmp_path)
-    spec = parse_spec("m", {"source": "acme/x", "revision": "r", "dtype": "bfloat16"}, config)
-    assert check_source(config, spec, torch_module=torch, inspect=inspect) == 12345
-    assert seen == [("acme/x", "r", {"dtype": "bfloat16", "cache_dir": tmp_path})]
-
-
-def test_a_missing_source_is_a_400_naming_the_source(tmp_path):
-    spec = parse_spec("m", {"source": str(tmp_path / "nowhere"), "device": "cpu"}, settings())
-    with pytest.raises(BadManagementRequest, match=r"^m\.source: model folder .*nowhere'"):
-        check_source(settings(), spec, torch_module=torch)
-
-
-def test_an_unusable_device_is_a_400_naming_the_device_before_the_source_is_read():
-    def inspect(*args, **kwargs):
-        raise AssertionError("the source was inspected")
-
-    spec = parse_spec("m", {"source": "x", "device": "cuda"}, settings())
-    with pytest.raises(BadManagementRequest, match=r"^m\.device: .*torch sees no CUDA device"):
-        check_source(settings(), spec, torch_module=FakeTorch(available=False), inspect=inspect)

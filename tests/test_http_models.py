@@ -216,3 +216,31 @@ def test_the_largest_bounded_values_are_accepted():
     response = put(api, "c", {**table, "keep_alive_s": 30 * 24 * 3600, "slots": 2})
     assert response.status_code == 200 and response.json["keep_alive_s"] == 30 * 24 * 3600
     assert rt.entry("c").spec.max_tokens == 1 << 20
+
+
+@pytest.mark.parametrize(
+    "body", [{"ids": "a"}, {"ids": ["a", 1]}, {"ids": ["a"], "extra": 1}, {}, {"id": ["a"]}]
+)
+def test_a_bulk_unload_body_must_be_a_list_of_ids_only(body):
+    api, rt, factory = client()
+    response = api.simulate_post("/v1/models/unload", json=body, headers=ADMIN_AUTH)
+    assert code(response) == (422, "invalid_request")
+    assert response.json["error"]["message"] == 'body: must be {"ids": [model id, ...]}'
+    assert rt.entry("a").status()["state"] == "ready"
+
+
+def test_a_bulk_unload_of_no_ids_unloads_nothing():
+    api, rt, _ = client()
+    response = api.simulate_post("/v1/models/unload", json={"ids": []}, headers=ADMIN_AUTH)
+    assert response.json == {"unloaded": [], "not_found": []}
+    assert rt.entry("a").status()["state"] == "ready"
+
+
+def test_management_bodies_are_held_to_the_body_limit():
+    api, rt, factory = client(max_body_bytes=200)
+    table = {"source": "test:c", "device": "cpu", "revision": "x" * 200}
+    assert code(put(api, "c", table)) == (413, "request_too_large")
+    bulk = {"ids": ["x" * 200]}
+    response = api.simulate_post("/v1/models/unload", json=bulk, headers=ADMIN_AUTH)
+    assert code(response) == (413, "request_too_large")
+    assert put(api, "c", {"source": "test:c", "device": "cpu"}).status_code == 200

@@ -1,0 +1,390 @@
+"""boot.py's checks and arithmetic against a fake torch and a fake model: fast enough for the
+mutation grid (tests/test_boot.py runs the same paths on real models).
+
+The device and VRAM-cap checks, the load and warm-up failures, the fast-kernel check, the
+engine's slots and lock, its resident bytes and its capacity on a GPU (the warm-up's peak scaled
+to max_tokens) and on the CPU (the attention cache), and `check_source`, a reconfigure's check.
+"""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fake_torch import GIB, MIB, FakeCuda, FakeTorch
+from fakes import settings
+
+from semif_serve import boot
+from semif_serve.boot import (
+    StartupError,
+    TorchScorer,
+    apply_vram_cap,
+    build_engine,
+    check_device,
+    check_source,
+    derive_capacity,
+    kv_bytes_per_token,
+    missing_fast_kernels,
+    parameter_bytes,
+)
+from semif_serve.errors import BadManagementRequest
+from semif_serve.runtime.specs import parse_spec
+
+
+class FakeParameter:
+    def __init__(self, count, size):
+        self.count, self.size = count, size
+
+    def numel(self):
+        return self.count
+
+    def element_size(self):
+        return self.size
+
+
+class FakeModel:
+    def __init__(self, **config):
+        defaults = {
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "hidden_size": 256,
+            "layer_types": None,
+        }
+        self.config = SimpleNamespace(**{**defaults, **config})
+        self.weights = [FakeParameter(1000, 4), FakeParameter(500, 2)]  # 5000 bytes
+
+    def parameters(self):
+        return iter(self.weights)
+
+
+class DeviceCuda(FakeCuda):
+    """Records the device each device-specific call names."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.devices: list[tuple[str, object]] = []
+
+    def _seen(self, name, device):
+        self.devices.append((name, device))
+
+    def get_device_capability(self, device=None):
+        self._seen("capability", device)
+        return super().get_device_capability(device)
+
+    def get_device_properties(self, device=None):
+        self._seen("properties", device)
+        return super().get_device_properties(device)
+
+    def set_per_process_memory_fraction(self, fraction, device=None):
+        self._seen("fraction", device)
+        super().set_per_process_memory_fraction(fraction, device)
+
+    def memory_allocated(self, device=None):
+        self._seen("allocated", device)
+        return super().memory_allocated(device)
+
+    def max_memory_allocated(self, device=None):
+        self._seen("peak", device)
+        return super().max_memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device=None):
+        self._seen("reset", device)
+        super().reset_peak_memory_stats(device)
+
+
+def device_torch(**cuda):
+    fake = FakeTorch()
+    fake.cuda = DeviceCuda(**cuda)
+    return fake
+
+
+def scoring_model(**config):
+    return SimpleNamespace(model=FakeModel(**config), tokenizer=None, info=None)
+
+
+class Loads:
+    """A `load` that records its arguments and returns (or raises) what it was given."""
+
+    def __init__(self, result):
+        self.result, self.calls = result, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+@pytest.fixture
+def warm_up(monkeypatch):
+    """The warm-up decision: `input_tokens` tokens; on a GPU it raises the peak by `peak`."""
+    plan = SimpleNamespace(
+        input_tokens=100, peak=100 * MIB, fake=None, error=None, calls=0, seen=None
+    )
+
+    def score(self, row):
+        plan.calls += 1
+        plan.seen = (self.scoring_model, self._max_tokens, row.id)
+        if plan.error is not None:
+            raise plan.error
+        if plan.fake is not None:
+            cuda = plan.fake.cuda
+            cuda.peak_allocated = max(cuda.peak_allocated, cuda.allocated + plan.peak)
+        return {"input_tokens": plan.input_tokens}
+
+    monkeypatch.setattr(TorchScorer, "score", score)
+    return plan
+
+
+def gpu(**overrides):
+    return settings(**{"device": "cuda", "require_fast_kernels": False, **overrides})
+
+
+def model_spec(config, **table):
+    return parse_spec("m", {"source": "acme/m", "revision": "r", **table}, config)
+
+
+# --- devices and the VRAM cap ----------------------------------------------------------------------
+
+
+def test_the_cpu_needs_no_torch_and_cuda_needs_a_device_in_the_arch_list():
+    check_device("cpu", None)
+    check_device("cuda:1", FakeTorch(capability=(8, 0), arch_list=["sm_80"]))
+    with pytest.raises(StartupError) as caught:
+        check_device("cuda", FakeTorch(available=False))
+    assert str(caught.value) == (
+        "SEMIF_DEVICE=cuda but torch sees no CUDA device; set SEMIF_DEVICE=cpu to serve on the "
+        "CPU on purpose"
+    )
+    with pytest.raises(StartupError) as caught:
+        check_device("cuda:0", FakeTorch(capability=(12, 0), arch_list=["sm_80", "sm_90"]))
+    assert str(caught.value) == (
+        "the GPU on cuda:0 is sm_120, which this torch build has no kernels for "
+        "(arch list: sm_80, sm_90)"
+    )
+    with pytest.raises(StartupError, match=r"\(arch list: empty\)$"):
+        check_device("cuda", FakeTorch(arch_list=[]))
+
+
+def test_the_vram_cap_is_a_fraction_of_the_card_up_to_all_of_it():
+    fake = FakeTorch(total=80 * GIB)
+    assert apply_vram_cap(None, "cuda", fake) is None and fake.cuda.fraction is None
+    assert apply_vram_cap(20.0, "cpu", fake) is None and fake.cuda.fraction is None
+    assert apply_vram_cap(20.0, "cuda", fake) == 0.25 and fake.cuda.fraction == 0.25
+    assert apply_vram_cap(80.0, "cuda", fake) == 1.0
+    with pytest.raises(StartupError) as caught:
+        apply_vram_cap(80.5, "cuda", fake)
+    assert str(caught.value) == "SEMIF_VRAM_CAP_GIB=80.5 is more than the card's 80.0 GiB"
+    assert fake.cuda.fraction == 1.0  # the refused cap was not set
+
+
+def test_fast_kernels_are_needed_only_by_linear_attention_layers():
+    none_there = {"flash-linear-attention": False, "causal-conv1d": False}
+    assert missing_fast_kernels(SimpleNamespace(), none_there) == []
+    assert missing_fast_kernels(SimpleNamespace(layer_types=None), none_there) == []
+    full = SimpleNamespace(layer_types=["full_attention"])
+    assert missing_fast_kernels(full, none_there) == []
+    linear = SimpleNamespace(layer_types=["linear_attention", "full_attention"])
+    assert missing_fast_kernels(linear, none_there) == ["flash-linear-attention", "causal-conv1d"]
+    assert missing_fast_kernels(linear, {"causal-conv1d": True}) == ["flash-linear-attention"]
+    assert missing_fast_kernels(linear, {"flash-linear-attention": True}) == ["causal-conv1d"]
+
+
+# --- build_engine ----------------------------------------------------------------------------------
+
+
+def test_the_default_spec_is_loaded_with_its_settings(warm_up, tmp_path):
+    config = settings(cache_dir=tmp_path, revision="r" * 40, dtype="bfloat16")
+    load = Loads(scoring_model())
+    engine = build_engine(config, torch_module=FakeTorch(), load=load)
+    assert load.calls == [
+        ((config.model, "r" * 40), {"dtype": "bfloat16", "device": "cpu", "cache_dir": tmp_path})
+    ]
+    assert engine.max_parallel_slots == 16 and engine.resident_bytes == 5000
+    assert engine.baseline_reserved is None and warm_up.calls == 1
+
+
+@pytest.mark.parametrize("cap_gib", [None, 40.0])
+def test_a_given_spec_is_loaded_and_measured_on_its_device_in_its_dtype(warm_up, cap_gib):
+    fake = device_torch()
+    warm_up.fake = fake
+    config = gpu(vram_cap_gib=cap_gib)
+    model = scoring_model()
+    load = Loads(model)
+    spec = model_spec(config, dtype="float16", device="cuda:1", max_tokens=777)
+    build_engine(config, spec, fake, load)
+    assert load.calls == [
+        (("acme/m", "r"), {"dtype": "float16", "device": "cuda:1", "cache_dir": None})
+    ]
+    assert warm_up.seen == (model, 777, "warm-up")
+    names = {name for name, _ in fake.cuda.devices}
+    assert names >= {"capability", "properties", "allocated", "peak", "reset"}
+    assert ("fraction" in names) == (cap_gib is not None)
+    assert {device for _, device in fake.cuda.devices} == {"cuda:1"}
+
+
+def test_the_device_is_checked_with_the_given_torch_and_the_cap_set_before_the_load(warm_up):
+    fake = FakeTorch(total=80 * GIB)
+    warm_up.fake = fake
+    fractions = []
+    model = scoring_model()
+
+    def load(*args, **kwargs):
+        fractions.append(fake.cuda.fraction)
+        return model
+
+    build_engine(gpu(vram_cap_gib=40.0), torch_module=fake, load=load)
+    assert fractions == [0.5]
+    with pytest.raises(StartupError, match="torch sees no CUDA device"):
+        build_engine(gpu(), torch_module=FakeTorch(available=False), load=Loads(model))
+
+
+def test_a_load_failure_names_the_model_and_keeps_the_cause(warm_up):
+    cause = OSError("no weights here")
+    with pytest.raises(StartupError) as caught:
+        build_engine(settings(), torch_module=FakeTorch(), load=Loads(cause))
+    assert str(caught.value) == (
+        f"cannot load model 'default' ({settings().model}): no weights here"
+    )
+    assert caught.value.__cause__ is cause and warm_up.calls == 0
+
+
+def test_a_failed_warm_up_stops_the_build_and_keeps_the_cause(warm_up):
+    warm_up.error = RuntimeError("kernel exploded")
+    with pytest.raises(StartupError) as caught:
+        build_engine(settings(), torch_module=FakeTorch(), load=Loads(scoring_model()))
+    assert str(caught.value).startswith("the warm-up decision failed: ")
+    assert "kernel exploded" in str(caught.value)
+    assert caught.value.__cause__ is not None
+
+
+def test_missing_fast_kernels_stop_the_build_only_when_required(warm_up, monkeypatch):
+    monkeypatch.setattr(boot, "fast_kernel_availability", dict)
+    linear = scoring_model(layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(StartupError) as caught:
+        build_engine(
+            settings(require_fast_kernels=True), torch_module=FakeTorch(), load=Loads(linear)
+        )
+    assert str(caught.value) == (
+        f"{settings().model} has linear-attention layers and would run the slow reference path: "
+        "flash-linear-attention, causal-conv1d not usable. Install the gpu extra, or set "
+        "SEMIF_REQUIRE_FAST_KERNELS=0 to accept the slow path"
+    )
+    assert warm_up.calls == 0
+    build_engine(settings(require_fast_kernels=False), torch_module=FakeTorch(), load=Loads(linear))
+    monkeypatch.setattr(
+        boot, "fast_kernel_availability", lambda: dict.fromkeys(boot.FAST_KERNEL_PACKAGES, True)
+    )
+    build_engine(settings(require_fast_kernels=True), torch_module=FakeTorch(), load=Loads(linear))
+
+
+def test_the_engine_has_the_specs_slots_or_the_shared_lock(warm_up):
+    config = settings(parallel_slots=3)
+    engine = build_engine(config, model_spec(config, slots=3), FakeTorch(), Loads(scoring_model()))
+    assert engine._lock._value == 3
+    lock = threading.Lock()
+    engine = build_engine(config, None, FakeTorch(), Loads(scoring_model()), lock=lock)
+    assert engine._lock is lock
+
+
+@pytest.mark.parametrize(
+    ("cap_gib", "total_gib", "input_tokens", "peak", "slots"),
+    [
+        (20.0, 80, 100, 100 * MIB, 4),  # 100 MiB for 100 tokens: 4 GiB a decision; (20-3)//4
+        (None, 40, 100, 100 * MIB, 9),  # no cap: the card's 40 GiB; (40-3)//4
+        (20.0, 80, 0, 1 * MIB, 4),  # no input tokens counted as one: 1 MiB x 4096
+        (20.0, 80, 1, 1 * MIB, 4),
+    ],
+)
+def test_gpu_capacity_scales_the_warm_up_peak_to_max_tokens(
+    warm_up, cap_gib, total_gib, input_tokens, peak, slots
+):
+    fake = FakeTorch(total=total_gib * GIB)
+    fake.cuda.reserved, fake.cuda.allocated = 3 * GIB, 2 * GIB
+    fake.cuda.peak_allocated = 50 * GIB  # an old peak: reset before the warm-up
+    warm_up.fake, warm_up.input_tokens, warm_up.peak = fake, input_tokens, peak
+    engine = build_engine(
+        gpu(vram_cap_gib=cap_gib, max_tokens=4096), torch_module=fake, load=Loads(scoring_model())
+    )
+    assert engine.max_parallel_slots == slots
+    assert engine.baseline_reserved == engine.resident_bytes == 3 * GIB
+
+
+def test_cpu_capacity_comes_from_the_memory_budget_and_the_attention_cache(warm_up):
+    # 1024 bytes a token (2 x 4 layers x 2 heads x 16 dims x 4 bytes) x 65536 tokens x 2: 128 MiB
+    # a decision beside 5000 bytes of weights, in 1 GiB: 7 (8 would need the weights to be free).
+    config = settings(memory_budget_gib=1.0, max_tokens=65536)
+    engine = build_engine(config, torch_module=FakeTorch(), load=Loads(scoring_model()))
+    assert engine.max_parallel_slots == 7 and engine.resident_bytes == 5000
+    engine = build_engine(settings(), torch_module=FakeTorch(), load=Loads(scoring_model()))
+    assert engine.max_parallel_slots == 16
+
+
+def test_capacity_is_what_fits_beside_the_model_as_one_to_sixteen_slots():
+    assert derive_capacity(10 * GIB, 4 * GIB, 2 * GIB) == 3
+    assert derive_capacity(10 * GIB, 4 * GIB, 3 * GIB) == 2  # 2.0 exactly
+    assert derive_capacity(10 * GIB, 4 * GIB, 7 * GIB) == 1
+    assert derive_capacity(10 * GIB, 12 * GIB, 1 * GIB) == 1  # never below one slot
+    assert derive_capacity(100 * GIB, 1 * GIB, 0.1 * GIB) == 16
+    assert derive_capacity(17 * GIB, 0, 1 * GIB) == 16
+    assert derive_capacity(10 * GIB, 4 * GIB, 0) == 16
+    assert derive_capacity(10 * GIB, 4 * GIB, -1) == 16
+    assert derive_capacity(10, 0, 1) == 10  # one byte a decision is still a cost
+    assert derive_capacity(1, 0, 0.1) == 9  # floor division: 1 / 0.1 rounds up to 10.0
+
+
+def test_the_attention_cache_counts_full_attention_layers_and_key_value_heads():
+    assert kv_bytes_per_token(FakeModel()) == 2 * 4 * 2 * 16 * 4
+    mixed = ["linear_attention", "full_attention", "linear_attention", "sliding_attention"]
+    assert kv_bytes_per_token(FakeModel(layer_types=mixed)) == 2 * 2 * 2 * 16 * 4
+    plain = FakeModel(num_key_value_heads=None, head_dim=None)  # 8 heads of 256 / 8 = 32
+    assert kv_bytes_per_token(plain) == 2 * 4 * 8 * 32 * 4
+    bare = FakeModel()  # a config without the optional attributes at all
+    for name in ("layer_types", "num_key_value_heads", "head_dim"):
+        delattr(bare.config, name)
+    assert kv_bytes_per_token(bare) == 2 * 4 * 8 * 32 * 4
+    assert type(kv_bytes_per_token(bare)) is int
+    assert parameter_bytes(FakeModel()) == 5000
+
+
+# --- check_source: a reconfigure's check before anything is torn down (issue 13, finding 7) ----
+
+
+def test_the_source_check_passes_the_spec_to_the_inspector_and_returns_its_estimate(tmp_path):
+    seen = []
+
+    def inspect(source, revision, **kwargs):
+        seen.append((source, revision, kwargs))
+        return 12345
+
+    config = settings(cache_dir=tmp_path)
+    spec = model_spec(config, dtype="bfloat16")
+    assert check_source(config, spec, torch_module=torch, inspect=inspect) == 12345
+    assert seen == [("acme/m", "r", {"dtype": "bfloat16", "cache_dir": tmp_path})]
+
+
+def test_a_missing_source_is_a_400_naming_the_source(tmp_path):
+    spec = parse_spec("m", {"source": str(tmp_path / "nowhere"), "device": "cpu"}, settings())
+    with pytest.raises(BadManagementRequest) as caught:
+        check_source(settings(), spec, torch_module=torch)
+    assert str(caught.value) == f"m.source: model folder '{tmp_path / 'nowhere'}' does not exist"
+    assert caught.value.__cause__ is None
+
+
+def test_a_usable_device_is_checked_with_the_torch_given(tmp_path):
+    spec = parse_spec("m", {"source": "x", "device": "cuda"}, settings())
+    fake = FakeTorch(capability=(9, 0), arch_list=["sm_90"])
+    assert check_source(settings(), spec, torch_module=fake, inspect=lambda *a, **k: 7) == 7
+
+
+def test_an_unusable_device_is_a_400_naming_the_device_before_the_source_is_read():
+    def inspect(*args, **kwargs):
+        raise AssertionError("the source was inspected")
+
+    spec = parse_spec("m", {"source": "x", "device": "cuda"}, settings())
+    with pytest.raises(BadManagementRequest) as caught:
+        check_source(settings(), spec, torch_module=FakeTorch(available=False), inspect=inspect)
+    assert str(caught.value).startswith("m.device: SEMIF_DEVICE=cuda but torch sees no CUDA")
+    assert caught.value.__cause__ is None
