@@ -19,6 +19,7 @@ stops answering (issue 13). This worker keeps gthread's pool and event loop but:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -201,13 +202,13 @@ class SemifWorker(ThreadWorker):
             return
         self.nr_conns += 1
         conn = TConn(self.cfg, client, address, listener.getsockname())  # non-blocking
-        conn.idle = False
         self.await_head(conn, b"", time.monotonic() + self.limits.header_timeout_s)
 
     # Heads, in the event loop -------------------------------------------------------------
 
-    def await_head(self, conn: TConn, data: bytes, deadline: float) -> None:
-        conn.head = bytearray(data)
+    def await_head(self, conn: TConn, data: bytes, deadline: float, idle: bool = False) -> None:
+        """`idle`: a kept-alive connection; `deadline` is its idle limit until a byte arrives."""
+        conn.head, conn.idle = bytearray(data), idle
         if self.head_done(conn, 0):
             return
         self.watch(conn, deadline)
@@ -243,15 +244,9 @@ class SemifWorker(ThreadWorker):
         elif len(conn.head) <= HEAD_MAX_BYTES:
             return False
         self.stop_reading(conn)
-        try:
-            write_envelope_error(
-                conn.sock,
-                431,
-                "Request Header Fields Too Large",
-                f"the request line and headers are over {HEAD_MAX_BYTES} bytes",
-            )
-        except OSError:
-            pass
+        message = f"the request line and headers are over {HEAD_MAX_BYTES} bytes"
+        with contextlib.suppress(OSError):  # the client may be gone already
+            write_envelope_error(conn.sock, 431, "Request Header Fields Too Large", message)
         self.close_gracefully(conn)
         return True
 
@@ -302,8 +297,7 @@ class SemifWorker(ThreadWorker):
             deadline = now + self.cfg.keepalive
             if not self.alive:
                 deadline = min(deadline, now + STOP_IDLE_LINGER_S)
-        conn.idle = not pending
-        self.await_head(conn, pending, deadline)
+        self.await_head(conn, pending, deadline, idle=not pending)
 
     # Closing, in the event loop -----------------------------------------------------------
 
