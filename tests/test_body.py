@@ -114,6 +114,13 @@ def test_a_read_past_the_body_deadline_is_a_request_timeout():
         read_body(environ(Failing(TimeoutError("timed out")), "10"), limit=100)
 
 
+def test_malformed_chunked_framing_is_a_bad_request_not_a_500():
+    from gunicorn.http.errors import InvalidChunkSize
+
+    with pytest.raises(BadRequest, match=r"^malformed chunked body \(InvalidChunkSize\)$"):
+        read_body(environ(Failing(InvalidChunkSize(b"zz"))), limit=100)
+
+
 @pytest.mark.parametrize("error", [ConnectionResetError(104, "reset"), OSError("no more data")])
 def test_a_peer_gone_mid_body_is_an_incomplete_body(error):
     # gunicorn's NoMoreData (a chunked body cut off) is an OSError, like a reset.

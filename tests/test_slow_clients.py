@@ -120,6 +120,17 @@ def test_a_body_shorter_than_its_content_length_is_a_400_and_never_scored(server
     assert scored(server) == before
 
 
+def test_a_malformed_chunked_body_is_a_400_envelope_not_a_500(server):
+    with server.connect(timeout=WAIT_S) as sock:
+        sock.sendall(
+            b"POST /decide HTTP/1.1\r\nHost: t\r\n"
+            + AUTH_LINE
+            + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n"
+        )
+        status, body = read_response(sock)
+    assert status == 400 and body["error"]["code"] == "bad_request"
+
+
 def test_an_unread_dripping_body_holds_no_thread(server):
     # GET /health never reads a body; gthread waited up to 5 s for the rest of it per request.
     with connections(server, THREADS + 2, post_head(1000, "/health", "GET") + b"x") as dripping:

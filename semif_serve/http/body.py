@@ -12,6 +12,10 @@ import json
 import re
 from typing import IO, Any
 
+# gunicorn's body readers raise this for malformed framing (a chunk size that is not hex, a
+# chunk without its CRLF); anything else reading the stream raises OSError or nothing.
+from gunicorn.http.errors import ParseException
+
 from semif_serve.errors import (
     BadRequest,
     IncompleteBody,
@@ -73,6 +77,8 @@ def _read_chunk(stream: IO[bytes], want: int) -> bytes:
         raise RequestTimeout(
             "the body did not arrive within the server's deadline (SEMIF_BODY_TIMEOUT_S)"
         ) from None
+    except ParseException as error:
+        raise BadRequest(f"malformed chunked body ({type(error).__name__})") from None
     except OSError:  # the peer went away mid-body (gunicorn's NoMoreData, a reset)
         raise IncompleteBody(
             "the body ended before it was complete (the client closed the connection)"
