@@ -20,7 +20,7 @@ DEFAULT_REVISION = "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a"
 DEFAULT_BIND = "127.0.0.1:8471"
 MIN_TOKEN_LENGTH = 32
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
-DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")  # \d would take any Unicode digit
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -145,8 +145,11 @@ def parse_gib(text: str | None, name: str) -> float | None:
     return value
 
 
+MAX_WAIT_S = 86_400.0  # a day: longer waits are configuration mistakes (and overflow timers)
+
+
 def parse_seconds(env: Mapping[str, str], name: str) -> float:
-    """A finite number of seconds >= 0; unset or 0 means no limit."""
+    """A number of seconds in [0, MAX_WAIT_S]; unset or 0 means no limit."""
     text = env.get(name)
     if text is None:
         return 0.0
@@ -154,8 +157,10 @@ def parse_seconds(env: Mapping[str, str], name: str) -> float:
         value = float(text)
     except ValueError:
         raise ConfigError(f"{name}: must be a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name}: must be finite and >= 0, got {text!r}")
+    if not 0 <= value <= MAX_WAIT_S:  # also refuses nan and inf
+        raise ConfigError(
+            f"{name}: must be a number of seconds in [0, {MAX_WAIT_S:g}], got {text!r}"
+        )
     return value
 
 

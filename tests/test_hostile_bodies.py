@@ -143,3 +143,12 @@ def test_the_first_invalid_value_in_document_order_is_the_one_reported():
     state = {"a": [1, float("nan")], "b": float("inf")}
     with pytest.raises(InvalidRow, match=r"^state\.a\[1\]: numbers must be finite"):
         parse_row({**row(), "state": state})
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+def test_an_unsupported_method_on_a_public_route_is_a_405_without_a_token(path):
+    api, _ = api_with()
+    response = api.simulate_request("TRACE", path)
+    assert (response.status_code, response.json["error"]["code"]) == (405, "method_not_allowed")
+    assert "GET" in response.headers["allow"]
+    assert api.simulate_post("/decide", json=row()).status_code == 401  # the rest still needs one

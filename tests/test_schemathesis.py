@@ -74,15 +74,7 @@ headers = {{ Authorization = "Bearer {ADMIN_TOKEN}" }}
 # Failures schemathesis finds that are server defects reported to the lead and not fixed yet:
 # (failure code, operation) -> the defect. Each makes the test an xfail naming it; one that no
 # longer happens fails the test, so the entry is removed once the server is fixed.
-UNSUPPORTED_METHOD_401 = (
-    "a method other than GET on /health or /metrics, sent without a token, is a 401; an "
-    "unsupported method should be a 405 with Allow (semif_serve/http/middleware.py BearerAuth "
-    "exempts only (GET, path))"
-)
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    ("ST204", "TRACE /health"): UNSUPPORTED_METHOD_401,
-    ("ST204", "TRACE /metrics"): UNSUPPORTED_METHOD_401,
-}
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
 # Two runs against one server, in this order. `PUT /v1/models/{id}` registers every new id it is

@@ -19,7 +19,8 @@ from semif_serve.runtime.admission import InFlightLimit
 
 access_log = logging.getLogger("semif_serve.access")
 CALLER_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII, bounded: safe to echo and log
-PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/metrics")}
+# Any method: an unsupported one (TRACE /health) then gets its 405 with Allow, not a 401.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
 class InProgress:
@@ -112,7 +113,7 @@ class BearerAuth:
         self._admin_token = admin_token.encode("ascii") if admin_token else None
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if (req.method, req.path) in PUBLIC_ROUTES:
+        if req.path in PUBLIC_PATHS:
             return
         scheme, _, given = (req.get_header("Authorization") or "").partition(" ")
         # Constant-time compares; WSGI headers are latin-1 strings, so any header encodes.

@@ -1,0 +1,170 @@
+"""`Settings.from_env` as a whole: every SEMIF_* variable reaches its own field, every default is
+the documented one, and docs/configuration.md lists exactly the variables the server reads."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from semif_serve import config
+from semif_serve.config import DEFAULT_BIND, DEFAULT_MODEL, DEFAULT_REVISION, Settings
+
+TOKEN = "k" * 32
+ADMIN = "a" * 40
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every field's value when only the token is set (device cuda, the contract's defaults).
+DEFAULTS = {
+    "api_token": TOKEN,
+    "model": DEFAULT_MODEL,
+    "revision": DEFAULT_REVISION,
+    "device": "cuda",
+    "dtype": "bfloat16",
+    "vram_cap_gib": None,
+    "max_tokens": 4096,
+    "max_decisions": 64,
+    "max_body_bytes": 1 << 20,
+    "max_queue": 32,
+    "calibration": {},
+    "bind": DEFAULT_BIND,
+    "graceful_timeout_s": 60,
+    "cache_dir": None,
+    "require_fast_kernels": True,
+    "parallel_slots": None,
+    "models_file": None,
+    "queue_timeout_s": 0.0,
+    "admin_token": None,
+    "max_loaded_models": None,
+    "memory_budget_gib": None,
+    "header_timeout_s": 10.0,
+    "body_timeout_s": 30.0,
+    "max_connections": 1000,
+}
+
+# (variable, a valid value other than the default, field, what the field then holds)
+ONE_VARIABLE = [
+    ("SEMIF_MODEL", "org/other-model", "model", "org/other-model"),
+    ("SEMIF_REVISION", "0123abc", "revision", "0123abc"),
+    ("SEMIF_DEVICE", "cuda:1", "device", "cuda:1"),
+    ("SEMIF_DTYPE", "float16", "dtype", "float16"),
+    ("SEMIF_VRAM_CAP_GIB", "12.5", "vram_cap_gib", 12.5),
+    ("SEMIF_MAX_TOKENS", "100", "max_tokens", 100),
+    ("SEMIF_MAX_DECISIONS", "7", "max_decisions", 7),
+    ("SEMIF_MAX_BODY_BYTES", "2048", "max_body_bytes", 2048),
+    ("SEMIF_MAX_QUEUE", "3", "max_queue", 3),
+    ("SEMIF_BIND", "0.0.0.0:9000", "bind", "0.0.0.0:9000"),
+    ("SEMIF_GRACEFUL_TIMEOUT_S", "5", "graceful_timeout_s", 5),
+    ("SEMIF_CACHE_DIR", "/var/cache/semif", "cache_dir", Path("/var/cache/semif")),
+    ("SEMIF_REQUIRE_FAST_KERNELS", "0", "require_fast_kernels", False),
+    ("SEMIF_PARALLEL_SLOTS", "4", "parallel_slots", 4),
+    ("SEMIF_MODELS_FILE", "/etc/semif/models.toml", "models_file", "/etc/semif/models.toml"),
+    ("SEMIF_QUEUE_TIMEOUT_S", "2.5", "queue_timeout_s", 2.5),
+    ("SEMIF_ADMIN_TOKEN", ADMIN, "admin_token", ADMIN),
+    ("SEMIF_MAX_LOADED_MODELS", "2", "max_loaded_models", 2),
+    ("SEMIF_MEMORY_BUDGET_GIB", "3", "memory_budget_gib", 3.0),
+    ("SEMIF_HEADER_TIMEOUT_S", "2.5", "header_timeout_s", 2.5),
+    ("SEMIF_BODY_TIMEOUT_S", "7", "body_timeout_s", 7.0),
+    ("SEMIF_MAX_CONNECTIONS", "50", "max_connections", 50),
+]
+
+
+def fields(settings: Settings) -> dict:
+    values = {name: getattr(settings, name) for name in DEFAULTS}
+    values["calibration"] = dict(values["calibration"])
+    return values
+
+
+def test_only_the_token_set_gives_every_documented_default():
+    assert fields(Settings.from_env({"SEMIF_API_TOKEN": TOKEN})) == DEFAULTS
+
+
+def test_the_table_covers_every_field_of_settings():
+    names = set(Settings.__dataclass_fields__)
+    assert names == set(DEFAULTS)
+    assert {field for _, _, field, _ in ONE_VARIABLE} | {"api_token", "calibration"} == names
+
+
+@pytest.mark.parametrize(("variable", "text", "field", "expected"), ONE_VARIABLE)
+def test_each_variable_sets_its_own_field_and_nothing_else(variable, text, field, expected):
+    settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, variable: text})
+    assert getattr(settings, field) == expected
+    changed = {
+        name: value for name, value in fields(settings).items() if value != DEFAULTS[name]
+    }
+    # The device also chooses the dtype and the fast-kernel requirement (below).
+    assert set(changed) == {field}
+
+
+def test_the_cpu_device_defaults_to_float32_and_does_not_require_fast_kernels():
+    settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"})
+    assert (settings.device, settings.dtype, settings.require_fast_kernels) == (
+        "cpu",
+        "float32",
+        False,
+    )
+    explicit = Settings.from_env(
+        {"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu", "SEMIF_REQUIRE_FAST_KERNELS": "1"}
+    )
+    assert explicit.require_fast_kernels is True
+
+
+def test_the_calibration_variable_loads_its_file(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text('{"triage": 1.5}', encoding="utf-8")
+    settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_CALIBRATION": str(path)})
+    assert dict(settings.calibration) == {"triage": 1.5}
+
+
+@pytest.mark.parametrize("variable", ["SEMIF_MODELS_FILE", "SEMIF_CACHE_DIR"])
+def test_an_empty_path_variable_means_unset(variable):
+    settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, variable: ""})
+    assert getattr(settings, variable.removeprefix("SEMIF_").lower()) is None
+
+
+@pytest.mark.parametrize(
+    "variable",
+    # Any path is a valid SEMIF_MODELS_FILE or SEMIF_CACHE_DIR until it is used (then checked).
+    [v for v, *_ in ONE_VARIABLE if v not in ("SEMIF_MODELS_FILE", "SEMIF_CACHE_DIR")]
+    + ["SEMIF_API_TOKEN", "SEMIF_CALIBRATION"],
+)
+def test_a_bad_value_of_each_variable_is_refused_naming_it(variable, tmp_path):
+    bad = {
+        "SEMIF_MODEL": " ",
+        "SEMIF_REVISION": "",
+        "SEMIF_CALIBRATION": str(tmp_path / "missing.json"),
+        "SEMIF_ADMIN_TOKEN": "short",
+        "SEMIF_API_TOKEN": "short",
+    }.get(variable, "-1x")
+    env = {"SEMIF_API_TOKEN": TOKEN, variable: bad}
+    with pytest.raises(config.ConfigError, match=rf"^{variable}: "):
+        Settings.from_env(env)
+
+
+def test_the_process_environment_is_read_when_no_mapping_is_given(monkeypatch):
+    monkeypatch.setenv("SEMIF_API_TOKEN", TOKEN)
+    monkeypatch.setenv("SEMIF_MAX_QUEUE", "5")
+    assert Settings.from_env().max_queue == 5
+
+
+def test_docs_configuration_lists_exactly_the_variables_the_server_reads():
+    read = set(re.findall(r'"(SEMIF_[A-Z_]+)"', (ROOT / "semif_serve/config.py").read_text()))
+    documented = set(re.findall(r"`(SEMIF_[A-Z_]+)`", (ROOT / "docs/configuration.md").read_text()))
+    assert read == {variable for variable, *_ in ONE_VARIABLE} | {
+        "SEMIF_API_TOKEN",
+        "SEMIF_CALIBRATION",
+    }
+    assert read <= documented, f"undocumented: {sorted(read - documented)}"
+
+
+@pytest.mark.parametrize("text", ["1e300", "86400.5", "inf", "nan", "-1"])
+def test_the_queue_timeout_is_at_most_a_day(text):
+    with pytest.raises(config.ConfigError, match=r"^SEMIF_QUEUE_TIMEOUT_S: .*\[0, 86400\]"):
+        Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_QUEUE_TIMEOUT_S": text})
+    day = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_QUEUE_TIMEOUT_S": "86400"})
+    assert day.queue_timeout_s == 86400.0
+
+
+@pytest.mark.parametrize("device", ["cuda:٣", "cuda:", "cuda:1x", "CPU"])
+def test_a_device_index_is_ascii_digits(device):
+    with pytest.raises(config.ConfigError, match=r"^SEMIF_DEVICE: "):
+        Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": device})
