@@ -91,7 +91,8 @@ def runtime(*specs, factory=None, clock=None, source_check=None, **overrides):
         clock or time.monotonic,
         source_check=source_check,
     )
-    built.start(idle_interval_s=None)
+    # Bounded: a startup load that never ends fails the test instead of hanging it.
+    Background(lambda: built.start(idle_interval_s=None)).result()
     return built
 
 

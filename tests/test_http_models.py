@@ -24,7 +24,7 @@ def client(admin_token=ADMIN, **overrides):
         "a",
         source_check=lambda spec: None if spec.source.startswith("test:") else check(config, spec),
     )
-    rt.start(idle_interval_s=None)
+    Background(lambda: rt.start(idle_interval_s=None)).result()  # bounded, as in runtime()
     return testing.TestClient(create_app(DecisionService(rt, config), config)), rt, factory
 
 

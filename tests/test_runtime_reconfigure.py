@@ -9,11 +9,13 @@ Fake engines; every wait is bounded.
 
 import re
 import threading
+import time
 from dataclasses import replace
+from datetime import UTC, datetime
 
 import pytest
 from fakes import WAIT_S
-from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
+from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wait_until
 
 from semif_serve.boot import check_source
 from semif_serve.errors import BadManagementRequest, InsufficientMemory, ModelLoadFailed
@@ -310,3 +312,119 @@ def test_a_request_queued_behind_a_failed_reconfigure_runs_on_the_old_engine():
     with pytest.raises(ModelLoadFailed):
         register.result()
     assert later.finish().engine is old
+
+
+# --- what the reconfigure reports ------------------------------------------------------------------
+
+
+def test_the_metrics_hook_hears_each_transition(caplog):
+    factory = sized(Factory(), a=1)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=1.5,
+        source_check=estimate(0.25),
+    )
+    heard = []
+    rt.on_event = lambda model_id, event: heard.append((model_id, event))
+    rt.register("a", NEW)  # beside
+    rt._source_check = estimate(1)
+    rt.register("a", {**NEW, "source": "test:a3"})  # instead
+    factory.failing["test:a4"] = OSError("broken")
+    with pytest.raises(ModelLoadFailed):
+        rt.register("a", {**NEW, "source": "test:a4"})  # instead, failed, restored
+    assert heard == [
+        ("a", "load"),
+        ("a", "unload"),
+        ("a", "load"),
+        ("a", "unload"),
+        ("a", "load_failed"),
+        ("a", "load"),
+    ]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "loading model a failed: broken"
+    ]
+    heard.clear()
+    rt.unload("a")
+    assert heard == [("a", "unload")]
+
+
+@pytest.mark.parametrize("error", [InsufficientMemory("full"), BadManagementRequest("a.slots: no")])
+def test_a_factory_refusal_keeps_its_kind_and_the_old_engine_serves(error):
+    factory = Factory()
+    rt = runtime(spec("a", load_on_startup=True), factory=factory)
+    old = factory.engines["a"]
+    factory.failing["test:a2"] = error
+    with pytest.raises(type(error), match=f"^{error}$"):
+        rt.register("a", NEW)
+    assert served_by(rt) is old
+    assert rt.entry("a").status()["last_load_error"]["message"] == str(error)
+
+
+def test_a_budget_refusal_says_what_the_busy_models_hold():
+    factory = sized(Factory(), a=1, b=2)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        spec("b", load_on_startup=True),
+        factory=factory,
+        memory_budget_gib=4,
+        source_check=estimate(0.5),
+    )
+    busy = Held(rt, "b")
+    assert busy.admitted.wait(WAIT_S)
+    factory.sizes["a"] = int(2.5 * GIB)
+    with pytest.raises(InsufficientMemory) as caught:
+        rt.register("a", NEW)
+    busy.finish()
+    assert str(caught.value) == (
+        "model 'a' needs 2.50 GiB; 2.00 of SEMIF_MEMORY_BUDGET_GIB=4 are held by busy models; "
+        "retry later"
+    )
+
+
+def test_registering_an_unloaded_model_shows_it_loading_and_requests_wait_for_it():
+    factory = Factory()
+    rt = runtime(spec("a"), factory=factory)
+    factory.load_gate = threading.Event()
+    register = Background(lambda: rt.register("a", NEW))
+    assert factory.load_started.wait(WAIT_S)
+    assert rt.entry("a").status()["state"] == "loading"
+    later = Held(rt, "a")
+    wait_until(lambda: rt.entry("a").status()["queued_requests"] == 1)
+    factory.load_gate.set()
+    assert register.result()["state"] == "ready"
+    assert later.finish().engine.spec.source == "test:a2"
+
+
+def test_a_gpu_model_without_a_vram_cap_or_budget_loads_beside():
+    factory = Factory()
+    gpu_spec = replace(spec("a", load_on_startup=True), device="cuda")
+    rt = runtime(gpu_spec, factory=factory, source_check=estimate(None))
+    rt.register("a", {**NEW, "device": "cuda"})
+    assert factory.events == [("load", "a"), ("load", "a"), ("close", "a")]
+
+
+def test_a_model_loaded_by_a_register_and_never_used_still_retires():
+    clock = Clock()
+    rt = runtime(spec("a"), clock=clock)
+    rt.register("a", {**NEW, "keep_alive_s": 60})
+    assert rt.entry("a").status()["last_used"] == clock.now  # the load counts as a use
+    clock.now += 60
+    assert rt.retire_idle() == ["a"]
+
+
+def test_the_last_load_error_is_stamped_in_utc_whatever_the_local_zone(monkeypatch):
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+05:30: a local stamp would be hours off
+    time.tzset()
+    try:
+        factory = Factory()
+        factory.failing["test:a2"] = OSError("broken")
+        rt = runtime(spec("a"), factory=factory)
+        with pytest.raises(ModelLoadFailed):
+            rt.register("a", NEW)
+        at = rt.entry("a").status()["last_load_error"]["at"]
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    stamped = datetime.strptime(at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert abs((datetime.now(UTC) - stamped).total_seconds()) < 60

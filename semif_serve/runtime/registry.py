@@ -252,10 +252,10 @@ class Runtime:
         self._unload_alone(entry)
         try:
             self._load_alone(entry, spec)
-        except Exception as error:
+        except ServeError as error:  # a load's failure; anything else is a bug: left unloaded
             self._restore(entry, old_spec, error)
 
-    def _restore(self, entry: ModelEntry, old_spec: ModelSpec, error: Exception) -> NoReturn:
+    def _restore(self, entry: ModelEntry, old_spec: ModelSpec, error: ServeError) -> NoReturn:
         """The fallback's last step: load the old configuration again, then report `error`."""
         try:
             self._load_alone(entry, old_spec)
@@ -264,7 +264,7 @@ class Runtime:
             outcome = f"loading the previous configuration failed too ({second}); unloaded"
         message = f"{error}; {outcome}"
         entry.record_load_error(message)
-        raise (type(error) if isinstance(error, ServeError) else ModelLoadFailed)(message)
+        raise type(error)(message) from None
 
     def _build(self, entry: ModelEntry, spec: ModelSpec) -> tuple[Any, int | None]:
         """Make room, build `spec`'s engine (the factory warms it up), check that it fits the
@@ -274,19 +274,19 @@ class Runtime:
         try:
             self._make_room(entry)
             engine = self._built(spec)
+            try:
+                self._fit_in_memory_budget(entry, engine)
+                capacity = getattr(engine, "max_parallel_slots", None)
+                if capacity is not None and spec.slots > capacity:
+                    raise BadManagementRequest(
+                        f"{spec.id}.slots: {spec.slots} is more than the {capacity} this "
+                        "model supports"
+                    )
+            except BaseException:
+                self._teardown(engine)  # never published, so nobody else would close it
+                raise
         except Exception as error:
             entry.record_load_error(str(error))
-            raise
-        try:
-            self._fit_in_memory_budget(entry, engine)
-            capacity = getattr(engine, "max_parallel_slots", None)
-            if capacity is not None and spec.slots > capacity:
-                raise BadManagementRequest(
-                    f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model supports"
-                )
-        except BaseException as error:
-            self._teardown(engine)
-            entry.record_load_error(str(error) or type(error).__name__)
             raise
         return engine, capacity
 
