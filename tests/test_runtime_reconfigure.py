@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import pytest
 from fakes import WAIT_S
@@ -72,7 +73,8 @@ def test_new_weights_load_beside_the_old_and_the_switch_follows_the_warm_up():
     assert status["state"] == "reconfiguring" and status["source"] == "test:a"
     assert rt.entry("a").engine is old and ("close", "a") not in factory.events
     factory.load_gate.set()
-    assert register.result()["source"] == "test:a2"
+    status = register.result()
+    assert status["source"] == "test:a2" and status["max_parallel_slots"] == 16
     assert factory.events == [("load", "a"), ("load", "a"), ("close", "a")]
     assert served_by(rt).spec.source == "test:a2"
 
@@ -190,7 +192,7 @@ def test_the_same_weights_are_estimated_by_the_old_engines_own_size():
 
 
 def test_the_vram_cap_counts_only_gpu_models_and_only_for_a_gpu_model():
-    factory = sized(Factory(), a=1, b=1)
+    factory = sized(Factory(), a=0.5, b=1.5)
     gpu = {**NEW, "device": "cuda"}
     rt = runtime(
         replace(spec("a", load_on_startup=True), device="cuda"),
@@ -199,12 +201,13 @@ def test_the_vram_cap_counts_only_gpu_models_and_only_for_a_gpu_model():
         vram_cap_gib=2,
         source_check=estimate(1),
     )
-    rt.register("a", gpu)  # 1 + 1 <= 2 on the card; b's 1 GiB is not on it
+    rt.register("a", gpu)  # 0.5 + 1 <= 2 on the card; b's 1.5 GiB is not on it
     assert factory.events[-2:] == [("load", "a"), ("close", "a")]
     rt._source_check = estimate(1.5)
     rt.register("b", {"source": "test:b2", "device": "cpu"})  # the cap is not the CPU's
     assert factory.events[-2:] == [("load", "b"), ("close", "b")]
-    rt.register("a", {**gpu, "source": "test:a3"})  # 1 + 1.5 > 2 on the card
+    rt._source_check = estimate(1.75)
+    rt.register("a", {**gpu, "source": "test:a3"})  # 0.5 + 1.75 > 2 on the card
     assert factory.events[-2:] == [("close", "a"), ("load", "a")]
 
 
@@ -404,13 +407,53 @@ def test_a_gpu_model_without_a_vram_cap_or_budget_loads_beside():
     assert factory.events == [("load", "a"), ("load", "a"), ("close", "a")]
 
 
-def test_a_model_loaded_by_a_register_and_never_used_still_retires():
+@pytest.mark.parametrize("model_id", ["a", "new"])
+def test_a_model_loaded_by_a_register_and_never_used_still_retires(model_id):
     clock = Clock()
-    rt = runtime(spec("a"), clock=clock)
-    rt.register("a", {**NEW, "keep_alive_s": 60})
-    assert rt.entry("a").status()["last_used"] == clock.now  # the load counts as a use
-    clock.now += 60
-    assert rt.retire_idle() == ["a"]
+    rt = runtime(spec("a"), spec("z", load_on_startup=True), clock=clock)
+    heard = []
+    rt.on_event = lambda model_id, event: heard.append((model_id, event))
+    rt.register(model_id, {**NEW, "keep_alive_s": 60})
+    assert rt.entry(model_id).status()["last_used"] == clock.now  # the load counts as a use
+    clock.now += 59
+    assert rt.retire_idle() == []
+    clock.now += 1
+    assert rt.retire_idle() == [model_id]  # after z, which has no keep_alive_s, was skipped
+    assert heard[-1] == (model_id, "retire")
+
+
+def test_the_slot_check_before_a_reconfigure_applies_to_the_same_weights_only():
+    factory = Factory(capacity=2)
+    rt = runtime(spec("a", slots=1, load_on_startup=True), factory=factory)
+    rt.register("a", {"source": "test:a", "device": "cpu", "slots": 2})  # exactly the capacity
+    with pytest.raises(BadManagementRequest) as caught:
+        rt.register("a", {"source": "test:a", "device": "cpu", "slots": 3})
+    assert str(caught.value) == (
+        "a.slots: 3 is more than the 2 this model supports; the current configuration keeps serving"
+    )
+    factory.capacity = 4  # other weights: their own engine says what they support
+    assert rt.register("a", {**NEW, "slots": 3})["slots"] == 3
+
+
+def test_a_full_residency_refusal_says_why():
+    rt = runtime(spec("a"), spec("b"), max_loaded_models=1)
+    busy = Held(rt, "a")
+    assert busy.admitted.wait(WAIT_S)
+    with pytest.raises(InsufficientMemory) as caught:
+        rt.register("b", {"source": "test:b", "device": "cpu"})
+    busy.finish()
+    assert str(caught.value) == (
+        "1 models are loaded (SEMIF_MAX_LOADED_MODELS) and none is idle; retry later"
+    )
+
+
+def test_an_engine_that_states_no_capacity_serves_any_slot_count():
+    def factory(spec):
+        return SimpleNamespace(close=lambda: None)
+
+    rt = runtime(spec("a"), factory=factory)
+    status = rt.register("a", {**NEW, "slots": 16})
+    assert status["state"] == "ready" and status["max_parallel_slots"] is None
 
 
 def test_the_last_load_error_is_stamped_in_utc_whatever_the_local_zone(monkeypatch):

@@ -248,17 +248,17 @@ class Runtime:
         self.on_event(spec.id, "load")
 
     def _load_instead(self, entry: ModelEntry, spec: ModelSpec) -> None:
-        old_spec = entry.spec
         self._unload_alone(entry)
         try:
             self._load_alone(entry, spec)
         except ServeError as error:  # a load's failure; anything else is a bug: left unloaded
-            self._restore(entry, old_spec, error)
+            self._restore(entry, error)
 
-    def _restore(self, entry: ModelEntry, old_spec: ModelSpec, error: ServeError) -> NoReturn:
-        """The fallback's last step: load the old configuration again, then report `error`."""
+    def _restore(self, entry: ModelEntry, error: ServeError) -> NoReturn:
+        """The fallback's last step: load the registered (old) configuration again, which the
+        failed load never replaced, then report `error`."""
         try:
-            self._load_alone(entry, old_spec)
+            self._load_alone(entry)
             outcome = "the previous configuration was loaded again and serves"
         except Exception as second:
             outcome = f"loading the previous configuration failed too ({second}); unloaded"
