@@ -203,10 +203,9 @@ def test_the_vram_cap_counts_only_gpu_models_and_only_for_a_gpu_model():
     )
     rt.register("a", gpu)  # 0.5 + 1 <= 2 on the card; b's 1.5 GiB is not on it
     assert factory.events[-2:] == [("load", "a"), ("close", "a")]
-    rt._source_check = estimate(1.5)
+    rt._source_check = estimate(1.75)
     rt.register("b", {"source": "test:b2", "device": "cpu"})  # the cap is not the CPU's
     assert factory.events[-2:] == [("load", "b"), ("close", "b")]
-    rt._source_check = estimate(1.75)
     rt.register("a", {**gpu, "source": "test:a3"})  # 0.5 + 1.75 > 2 on the card
     assert factory.events[-2:] == [("close", "a"), ("load", "a")]
 
