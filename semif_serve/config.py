@@ -57,44 +57,50 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        env = os.environ if environ is None else environ
-        device = env.get("SEMIF_DEVICE", "cuda")
-        if not DEVICE_PATTERN.fullmatch(device):
-            raise ConfigError(f"SEMIF_DEVICE: must be cuda, cuda:N or cpu, got {device!r}")
-        default_dtype = "float32" if device == "cpu" else "bfloat16"
-        dtype = env.get("SEMIF_DTYPE", default_dtype)
-        if dtype not in DTYPES:
-            raise ConfigError(f"SEMIF_DTYPE: must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        return cls(
-            api_token=parse_token(env.get("SEMIF_API_TOKEN")),
-            model=_nonempty(env, "SEMIF_MODEL", DEFAULT_MODEL),
-            revision=_nonempty(env, "SEMIF_REVISION", DEFAULT_REVISION),
-            device=device,
-            dtype=dtype,
-            vram_cap_gib=parse_gib(env.get("SEMIF_VRAM_CAP_GIB"), "SEMIF_VRAM_CAP_GIB"),
-            max_tokens=parse_limit(env, "SEMIF_MAX_TOKENS", 4096),
-            max_decisions=parse_limit(env, "SEMIF_MAX_DECISIONS", 64),
-            max_body_bytes=parse_limit(env, "SEMIF_MAX_BODY_BYTES", 1 << 20),
-            max_queue=parse_limit(env, "SEMIF_MAX_QUEUE", 32),
-            calibration=load_calibration(env.get("SEMIF_CALIBRATION")),
-            bind=parse_bind(env.get("SEMIF_BIND", DEFAULT_BIND)),
-            graceful_timeout_s=parse_limit(env, "SEMIF_GRACEFUL_TIMEOUT_S", 60),
-            cache_dir=Path(env["SEMIF_CACHE_DIR"]) if env.get("SEMIF_CACHE_DIR") else None,
-            require_fast_kernels=parse_flag(
-                env, "SEMIF_REQUIRE_FAST_KERNELS", default=device != "cpu"
-            ),
-            parallel_slots=parse_slot_count(env.get("SEMIF_PARALLEL_SLOTS")),
-            models_file=env.get("SEMIF_MODELS_FILE") or None,
-            queue_timeout_s=parse_seconds(env, "SEMIF_QUEUE_TIMEOUT_S"),
-            admin_token=parse_admin_token(env.get("SEMIF_ADMIN_TOKEN")),
-            max_loaded_models=parse_limit(env, "SEMIF_MAX_LOADED_MODELS", 0) or None,
-            memory_budget_gib=parse_gib(
-                env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"
-            ),
-            header_timeout_s=parse_deadline(env, "SEMIF_HEADER_TIMEOUT_S", 10.0),
-            body_timeout_s=parse_deadline(env, "SEMIF_BODY_TIMEOUT_S", 30.0),
-            max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000),
-        )
+        """The settings from `environ` (default: the process environment)."""
+        return settings_from_env(os.environ if environ is None else environ)
+
+
+def settings_from_env(env: Mapping[str, str]) -> Settings:
+    """Every SEMIF_* variable parsed and validated (a module function, so the mutation grid can
+    mutate it: mutmut leaves decorated methods such as `from_env` alone)."""
+    device = env.get("SEMIF_DEVICE", "cuda")
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise ConfigError(f"SEMIF_DEVICE: must be cuda, cuda:N or cpu, got {device!r}")
+    default_dtype = "float32" if device == "cpu" else "bfloat16"
+    dtype = env.get("SEMIF_DTYPE", default_dtype)
+    if dtype not in DTYPES:
+        raise ConfigError(f"SEMIF_DTYPE: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return Settings(
+        api_token=parse_token(env.get("SEMIF_API_TOKEN")),
+        model=_nonempty(env, "SEMIF_MODEL", DEFAULT_MODEL),
+        revision=_nonempty(env, "SEMIF_REVISION", DEFAULT_REVISION),
+        device=device,
+        dtype=dtype,
+        vram_cap_gib=parse_gib(env.get("SEMIF_VRAM_CAP_GIB"), "SEMIF_VRAM_CAP_GIB"),
+        max_tokens=parse_limit(env, "SEMIF_MAX_TOKENS", 4096),
+        max_decisions=parse_limit(env, "SEMIF_MAX_DECISIONS", 64),
+        max_body_bytes=parse_limit(env, "SEMIF_MAX_BODY_BYTES", 1 << 20),
+        max_queue=parse_limit(env, "SEMIF_MAX_QUEUE", 32),
+        calibration=load_calibration(env.get("SEMIF_CALIBRATION")),
+        bind=parse_bind(env.get("SEMIF_BIND", DEFAULT_BIND)),
+        graceful_timeout_s=parse_limit(env, "SEMIF_GRACEFUL_TIMEOUT_S", 60),
+        cache_dir=Path(env["SEMIF_CACHE_DIR"]) if env.get("SEMIF_CACHE_DIR") else None,
+        require_fast_kernels=parse_flag(
+            env, "SEMIF_REQUIRE_FAST_KERNELS", default=device != "cpu"
+        ),
+        parallel_slots=parse_slot_count(env.get("SEMIF_PARALLEL_SLOTS")),
+        models_file=env.get("SEMIF_MODELS_FILE") or None,
+        queue_timeout_s=parse_seconds(env, "SEMIF_QUEUE_TIMEOUT_S"),
+        admin_token=parse_admin_token(env.get("SEMIF_ADMIN_TOKEN")),
+        max_loaded_models=parse_limit(env, "SEMIF_MAX_LOADED_MODELS", 0) or None,
+        memory_budget_gib=parse_gib(
+            env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"
+        ),
+        header_timeout_s=parse_deadline(env, "SEMIF_HEADER_TIMEOUT_S", 10.0),
+        body_timeout_s=parse_deadline(env, "SEMIF_BODY_TIMEOUT_S", 30.0),
+        max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000),
+    )
 
 
 def parse_token(token: str | None) -> str:

@@ -97,7 +97,7 @@ def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None 
     Without SEMIF_PARALLEL_SLOTS every engine shares one process-wide lock (INV-2)."""
     import threading
 
-    from semif_serve.boot import build_engine
+    from semif_serve.boot import build_engine, check_source
     from semif_serve.runtime.registry import Runtime
     from semif_serve.runtime.specs import default_spec, load_models_file
 
@@ -107,7 +107,9 @@ def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None 
         specs, default_id = [default_spec(settings)], "default"
     shared_lock = threading.Lock() if settings.parallel_slots is None else None
     factory = engine_factory or (lambda spec: build_engine(settings, spec, lock=shared_lock))
-    return Runtime(settings, factory, specs, default_id)
+    # The real source check goes only with the real engines; tests' fake factories take any source.
+    source_check = None if engine_factory else (lambda spec: check_source(settings, spec))
+    return Runtime(settings, factory, specs, default_id, source_check=source_check)
 
 
 RUNTIME: Any = None  # the process-wide runtime, created in the worker; closed at worker exit

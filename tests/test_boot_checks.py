@@ -388,3 +388,18 @@ def test_an_unusable_device_is_a_400_naming_the_device_before_the_source_is_read
         check_source(settings(), spec, torch_module=FakeTorch(available=False), inspect=inspect)
     assert str(caught.value).startswith("m.device: SEMIF_DEVICE=cuda but torch sees no CUDA")
     assert caught.value.__cause__ is None
+
+
+def test_the_production_runtime_refuses_a_missing_source_before_anything_changes(tmp_path):
+    """server.build_runtime wires boot.check_source: a PUT naming a folder that is not there is a
+    400 at once, and the serving model's entry is untouched (finding 7)."""
+    from semif_serve.config import Settings
+    from semif_serve.errors import BadManagementRequest
+    from semif_serve.server import build_runtime
+
+    config = Settings(api_token="t" * 40, device="cpu", dtype="float32", cache_dir=tmp_path)
+    runtime = build_runtime(config)
+    before = runtime.status()
+    with pytest.raises(BadManagementRequest, match=r"^default\.source: "):
+        runtime.register("default", {"source": str(tmp_path / "nonexistent"), "device": "cpu"})
+    assert runtime.status() == before
