@@ -157,3 +157,10 @@ def test_a_body_that_is_not_a_json_object_is_invalid_with_a_precise_message(body
 
 def test_a_json_object_body_parses():
     assert parse_json_object('{"é": [1, 2.5]}'.encode()) == {"é": [1, 2.5]}
+
+
+def test_a_body_deeper_than_the_json_parser_goes_is_a_422_not_a_recursion_error():
+    deep = b'{"state": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(InvalidRequest) as error:
+        parse_json_object(deep)
+    assert str(error.value) == "body: JSON nested too deeply"
