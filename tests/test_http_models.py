@@ -66,11 +66,20 @@ def test_a_request_that_waits_past_its_timeout_is_503_server_busy_with_retry_aft
     holders = [Held(rt, "a"), Held(rt, "a")]  # both slots of a
     for holder in holders:
         assert holder.admitted.wait(10)
-    response = api.simulate_post("/decide", json=row(timeout_s=0.05), headers=AUTH)
+    # Without its timeout the request would queue forever (the server's own queue timeout is 0,
+    # "no limit"), so it runs in a thread and must be answered within a bound.
+    call = Background(
+        lambda: api.simulate_post("/decide", json=row(timeout_s=0.05), headers=AUTH)
+    )
+    try:
+        answered = call.done.wait(5)
+    finally:
+        for holder in holders:
+            holder.finish()
+    assert answered, "the request ignored its timeout_s and stayed queued"
+    response = call.result()
     assert code(response) == (503, "server_busy")
     assert response.headers["retry-after"] == "1"
-    for holder in holders:
-        holder.finish()
 
 
 def test_listing_models_needs_any_valid_token_and_changes_nothing():
