@@ -188,7 +188,7 @@ def test_a_prefix_whose_tokens_merge_further_back_backs_off_and_stays_exact(tiny
 
 def test_prompts_sharing_no_leading_token_are_refused():
     from semif_serve.scoring.prompt import EncodedPrompt
-    from semif_serve.scoring.shared import shared_prefix
+    from semif_serve.scoring.shared_prompts import shared_prefix
 
     prompts = [EncodedPrompt("a", [1, 2, 3], [9]), EncodedPrompt("b", [4, 2, 3], [9])]
     assert shared_prefix([1, 2], [prompts[0]]) == [1, 2]
