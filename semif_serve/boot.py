@@ -1,7 +1,8 @@
 """Build the production engine, failing closed (INV-3, INV-4).
 
-In order: the device checks (a CUDA device whose `sm_XY` is in torch's arch list, unless
-SEMIF_DEVICE=cpu was set explicitly), the VRAM cap (torch's per-process memory fraction, set
+In order: the device checks (`cuda` resolved to the concrete `cuda:N` every later torch call
+gets; a CUDA device whose `sm_XY` is in torch's arch list, unless SEMIF_DEVICE=cpu was set
+explicitly), the VRAM cap (torch's per-process memory fraction, set
 BEFORE the model loads), the model load, the fast-kernel check for linear-attention models, one
 warm-up decision, and the memory baseline the engine releases back to. Any failure raises
 `StartupError` and nothing is served. `check_source` is the cheap check a reconfigure runs
@@ -50,6 +51,24 @@ class TorchScorer:
         from semif_serve.scoring import score_shared
 
         return score_shared(self.scoring_model, rows, max_tokens=self._max_tokens)
+
+
+def resolve_device(device: str, torch_module: Any) -> str:
+    """`cuda` becomes the concrete `cuda:N` torch will use (its current device), once, so every
+    later call gets an index: some torch calls refuse an index-less device (the per-process
+    memory fraction raises ValueError for "cuda"). `cuda:N` must name a visible device."""
+    if not device.startswith("cuda") or not torch_module.cuda.is_available():
+        return device  # cpu, or a CUDA request check_device refuses with its own message
+    visible = torch_module.cuda.device_count()
+    if device == "cuda":
+        return f"cuda:{torch_module.cuda.current_device()}"
+    index = int(device.partition(":")[2])
+    if index >= visible:
+        raise StartupError(
+            f"SEMIF_DEVICE={device} but torch sees {visible} CUDA device(s) "
+            f"(cuda:0..cuda:{visible - 1}); check CUDA_VISIBLE_DEVICES"
+        )
+    return device
 
 
 def check_device(device: str, torch_module: Any) -> None:
@@ -119,7 +138,7 @@ def check_source(
     if inspect is None:
         from semif_serve.loading import inspect_source as inspect
     try:
-        check_device(spec.device, torch_module)
+        check_device(resolve_device(spec.device, torch_module), torch_module)
     except StartupError as error:
         raise BadManagementRequest(f"{spec.id}.device: {error}") from None
     try:
@@ -141,14 +160,15 @@ def build_engine(
         import torch as torch_module
     if load is None:
         from semif_serve.loading import load_model as load
-    check_device(spec.device, torch_module)
-    apply_vram_cap(settings.vram_cap_gib, spec.device, torch_module)
+    device = resolve_device(spec.device, torch_module)  # torch only ever sees this one
+    check_device(device, torch_module)
+    apply_vram_cap(settings.vram_cap_gib, device, torch_module)
     try:
         scoring_model = load(
             spec.source,
             spec.revision,
             dtype=spec.dtype,
-            device=spec.device,
+            device=device,
             cache_dir=settings.cache_dir,
         )
     except Exception as error:
@@ -163,15 +183,15 @@ def build_engine(
             )
     engine = Engine(
         TorchScorer(scoring_model, spec.max_tokens),
-        device=spec.device,
+        device=device,
         torch_module=torch_module,
         concurrency=spec.slots,
         lock=lock,
     )
-    on_gpu = spec.device != "cpu"
+    on_gpu = device != "cpu"
     if on_gpu:
-        torch_module.cuda.reset_peak_memory_stats(spec.device)
-        allocated_before = torch_module.cuda.memory_allocated(spec.device)
+        torch_module.cuda.reset_peak_memory_stats(device)
+        allocated_before = torch_module.cuda.memory_allocated(device)
     try:
         warm_up = engine.score(parse_row(WARM_UP_ROW))
     except Exception as error:
@@ -184,9 +204,9 @@ def build_engine(
         budget = (
             settings.vram_cap_gib * GIB
             if settings.vram_cap_gib
-            else (torch_module.cuda.get_device_properties(spec.device).total_memory)
+            else (torch_module.cuda.get_device_properties(device).total_memory)
         )
-        warm_up_bytes = torch_module.cuda.max_memory_allocated(spec.device) - allocated_before
+        warm_up_bytes = torch_module.cuda.max_memory_allocated(device) - allocated_before
         per_decision = warm_up_bytes * spec.max_tokens / max(warm_up["input_tokens"], 1)
         engine.max_parallel_slots = derive_capacity(budget, engine.baseline_reserved, per_decision)
     elif settings.memory_budget_gib:

@@ -22,9 +22,17 @@ class FakeCuda:
         pass
 
     def __init__(
-        self, available=True, capability=(9, 0), arch_list=("sm_80", "sm_90"), total=80 * GIB
+        self,
+        available=True,
+        capability=(9, 0),
+        arch_list=("sm_80", "sm_90"),
+        total=80 * GIB,
+        count=1,
+        current=0,
     ):
         self.available = available
+        self.count = count if available else 0
+        self.current = current
         self.capability = capability
         self.arch_list = list(arch_list)
         self.total = total
@@ -45,8 +53,22 @@ class FakeCuda:
     def get_device_properties(self, device=None):
         return SimpleNamespace(total_memory=self.total)
 
+    def device_count(self):
+        return self.count
+
+    def current_device(self):
+        return self.current
+
     def set_per_process_memory_fraction(self, fraction, device=None):
+        """As torch.cuda's: the device needs an index ("cuda" is refused), the fraction a float
+        in 0..1."""
+        index = self.current if device is None else device_index(device)
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
         self.fraction = fraction
+        self.fraction_device = index
 
     def memory_reserved(self, device=None):
         return self.reserved
@@ -70,6 +92,18 @@ class FakeCuda:
         tensor = FakeTensor()
         self.watch.append(weakref.ref(tensor))
         return tensor
+
+
+def device_index(device) -> int:
+    """torch._utils._get_device_index(device) without `optional`: an int, or "cuda:N"."""
+    if isinstance(device, int):
+        return device
+    kind, _, index = str(device).partition(":")
+    if kind != "cuda" or not index:
+        raise ValueError(
+            f"Expected a torch.device with a specified index or an integer, but got:{device}"
+        )
+    return int(index)
 
 
 class FakeTorch:

@@ -26,6 +26,7 @@ from semif_serve.boot import (
     kv_bytes_per_token,
     missing_fast_kernels,
     parameter_bytes,
+    resolve_device,
 )
 from semif_serve.errors import BadManagementRequest
 from semif_serve.runtime.specs import parse_spec
@@ -170,14 +171,52 @@ def test_the_cpu_needs_no_torch_and_cuda_needs_a_device_in_the_arch_list():
 
 def test_the_vram_cap_is_a_fraction_of_the_card_up_to_all_of_it():
     fake = FakeTorch(total=80 * GIB)
-    assert apply_vram_cap(None, "cuda", fake) is None and fake.cuda.fraction is None
+    assert apply_vram_cap(None, "cuda:0", fake) is None and fake.cuda.fraction is None
     assert apply_vram_cap(20.0, "cpu", fake) is None and fake.cuda.fraction is None
-    assert apply_vram_cap(20.0, "cuda", fake) == 0.25 and fake.cuda.fraction == 0.25
-    assert apply_vram_cap(80.0, "cuda", fake) == 1.0
+    assert apply_vram_cap(20.0, "cuda:0", fake) == 0.25 and fake.cuda.fraction == 0.25
+    assert apply_vram_cap(80.0, "cuda:0", fake) == 1.0
     with pytest.raises(StartupError) as caught:
-        apply_vram_cap(80.5, "cuda", fake)
+        apply_vram_cap(80.5, "cuda:0", fake)
     assert str(caught.value) == "SEMIF_VRAM_CAP_GIB=80.5 is more than the card's 80.0 GiB"
     assert fake.cuda.fraction == 1.0  # the refused cap was not set
+
+
+def test_the_fake_torch_refuses_an_index_less_device_for_the_cap_as_torch_does():
+    # The H200 defect: torch.cuda.set_per_process_memory_fraction(f, "cuda") raises ValueError.
+    # The fake must refuse it too, or no test could catch a caller passing "cuda" again.
+    with pytest.raises(ValueError, match="with a specified index or an integer, but got:cuda"):
+        apply_vram_cap(20.0, "cuda", FakeTorch(total=80 * GIB))
+    # What the real set_per_process_memory_fraction calls on its device (after CUDA init, so
+    # the function itself cannot run here): it refuses "cuda" with the same message.
+    with pytest.raises(ValueError, match="with a specified index or an integer, but got:cuda"):
+        torch._utils._get_device_index("cuda")
+    assert torch._utils._get_device_index("cuda:1") == 1
+
+
+def test_cuda_resolves_once_to_the_current_device_and_an_index_must_be_visible():
+    fake = FakeTorch(count=4, current=2)
+    assert resolve_device("cuda", fake) == "cuda:2"
+    assert resolve_device("cuda:3", fake) == "cuda:3"
+    assert resolve_device("cpu", fake) == "cpu"
+    assert resolve_device("cuda", FakeTorch(available=False)) == "cuda"  # check_device refuses
+    with pytest.raises(StartupError) as caught:
+        resolve_device("cuda:4", fake)
+    assert str(caught.value) == (
+        "SEMIF_DEVICE=cuda:4 but torch sees 4 CUDA device(s) (cuda:0..cuda:3); "
+        "check CUDA_VISIBLE_DEVICES"
+    )
+
+
+def test_the_default_device_with_a_cap_starts_and_torch_only_sees_the_resolved_index(warm_up):
+    fake = device_torch(count=2, current=1, total=80 * GIB)
+    warm_up.fake = fake
+    model = scoring_model()
+    load = Loads(model)
+    engine = build_engine(gpu(vram_cap_gib=40.0), torch_module=fake, load=load)
+    assert fake.cuda.fraction == 0.5 and fake.cuda.fraction_device == 1
+    assert load.calls[0][1]["device"] == "cuda:1"
+    assert {device for _, device in fake.cuda.devices} == {"cuda:1"}
+    assert engine.on_gpu and engine.baseline_reserved == 0
 
 
 def test_fast_kernels_are_needed_only_by_linear_attention_layers():
@@ -208,7 +247,7 @@ def test_the_default_spec_is_loaded_with_its_settings(warm_up, tmp_path):
 
 @pytest.mark.parametrize("cap_gib", [None, 40.0])
 def test_a_given_spec_is_loaded_and_measured_on_its_device_in_its_dtype(warm_up, cap_gib):
-    fake = device_torch()
+    fake = device_torch(count=2)
     warm_up.fake = fake
     config = gpu(vram_cap_gib=cap_gib)
     model = scoring_model()

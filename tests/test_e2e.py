@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,29 @@ def test_two_real_models_behind_one_server(tmp_path, builtin_cache, smollm2):
         assert server.request("POST", "/v1/models/tiny/unload", headers=AUTH)[0] == 403
     assert server.process.returncode == 0
     assert "runtime closed: 2 models unloaded" in server.log_text()  # gunicorn's worker_exit
+
+
+def test_the_default_device_with_a_vram_cap_starts(tmp_path, builtin_cache, smollm2):
+    """SEMIF_DEVICE unset (cuda) plus SEMIF_VRAM_CAP_GIB: the H200 defect stopped this boot,
+    since torch refuses the memory fraction for an index-less "cuda". Through the production
+    CLI and boot path, torch.cuda faked (tests/serve_fake_cuda.py), the model on the CPU."""
+    control = tmp_path / "control"
+    control.mkdir()
+    env = {
+        "SEMIF_MODEL": "builtin:smollm2-135m",
+        "SEMIF_CACHE_DIR": str(builtin_cache),
+        "SEMIF_VRAM_CAP_GIB": "20",
+        "SEMIF_TEST_CONTROL": str(control),
+    }
+    env.pop("SEMIF_DEVICE", None)
+    script = Path(__file__).parent / "serve_fake_cuda.py"
+    server = LiveServer([sys.executable, str(script)], env, tmp_path / "server.log")
+    server.env.pop("SEMIF_DEVICE", None)  # the default, whatever the test runner's env says
+    with server:
+        status, health, _ = server.request("GET", "/health")
+        assert status == 200 and health["model"]["device"] == "cuda:0"
+        status, body, _ = server.request("POST", "/decide", row("d"), AUTH)
+        assert status == 200, body
+    calls = [json.loads(line) for line in (control / "cuda-calls.jsonl").read_text().splitlines()]
+    assert calls == [{"call": "fraction", "device": "cuda:0"}]
+
