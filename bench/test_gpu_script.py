@@ -19,6 +19,20 @@ def test_the_gpu_suites_run_and_report_every_figure():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     document = json.loads(done.stdout)
+    assert document["note"].startswith("smoke") and set(document["kernels_available"]) == {
+        "fla",
+        "causal_conv1d",
+    }
+    serving = document["serving"]
+    for start in ("cold", "restart"):
+        assert serving[f"start_to_ready_s_{start}"] > 0
+        first = serving[f"first_decision_{start}"]
+        assert first["first_vs_warm_p50"] > 0 and first["warm_server_s"]["n"] == 2
+    shared = serving["shared"]
+    assert shared["shape"] == "2 x 3" and shared["shared_decisions_per_s"] > 0
+    assert shared["compared"] == 3 and shared["argmax_flips"] == 0
+    assert shared["max_probability_difference"] <= 1e-5
+    assert serving["server_env"]["SEMIF_DEVICE"] == "cpu"
     [run] = document["runs"].values()
     assert run["kernels"] == "reference"
     fresh_vs_shared = run["fresh_vs_shared"]
