@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 import semif_serve  # noqa: F401  (forces the hub offline before torch or transformers load)
+from semif_serve import kernel_cache
 
 EXIT_USAGE = 2
 
@@ -256,6 +257,10 @@ def one_line(error: BaseException) -> str:
 
 
 def entry_point() -> None:
+    # A server process points the kernel caches at their folder first: build_parser's imports
+    # already load torch (docs/operations.md, "Kernel caches").
+    if sys.argv[1:2] == ["serve"] and kernel_cache.prepare() is None:
+        sys.exit(EXIT_USAGE)
     sys.exit(main())
 
 
