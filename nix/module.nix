@@ -29,6 +29,7 @@ let
 
   stateDir = "/var/lib/semif-serve";
   cacheDir = "/var/cache/semif-serve";
+  kernelCacheDir = "${stateDir}/kernels";
 
   # HOST:PORT as SEMIF_BIND takes it; a wildcard host is probed on loopback.
   bindParts = builtins.match "(.+):([0-9]+)" cfg.bind;
@@ -51,12 +52,19 @@ let
       SEMIF_CACHE_DIR = cacheDir; # converted built-in models
       CUDA_DEVICE_ORDER = "PCI_BUS_ID"; # CUDA's numbering = nvidia-smi's
       CUDA_VISIBLE_DEVICES = toString cfg.gpu;
-      # A DynamicUser has no writable home: every cache goes under CacheDirectory.
+      # A DynamicUser has no writable home: every cache goes under CacheDirectory...
       HOME = stateDir;
       XDG_CACHE_HOME = cacheDir;
       HF_HOME = "${cacheDir}/huggingface";
-      TRITON_CACHE_DIR = "${cacheDir}/triton";
-      CUDA_CACHE_PATH = "${cacheDir}/nv";
+      # ...except compiled kernels and autotune results (Triton, Inductor, CUDA's JIT cache),
+      # which semif-serve points at subfolders of this one folder itself (semif_serve/
+      # kernel_cache.py; TRITON_CACHE_DIR and the like set here would override it). They go to
+      # the StateDirectory, not the CacheDirectory: systemd treats a cache directory as data
+      # the service may lose at any time (`systemctl clean --what=cache` wipes it), while
+      # rebuilding these costs tens of seconds of compiling and autotuning at the next start
+      # and for every new batch size after it. The state directory survives restarts and
+      # reboots; docs/operations.md says when and how to clear it (a new driver or GPU).
+      SEMIF_KERNEL_CACHE_DIR = kernelCacheDir;
     }
     // optionalAttrs (cfg.hfCacheDir != null) { HF_HUB_CACHE = cfg.hfCacheDir; }
     // optionalAttrs (cfg.vramCapGib != null) { SEMIF_VRAM_CAP_GIB = toString cfg.vramCapGib; }
