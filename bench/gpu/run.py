@@ -81,6 +81,9 @@ def main() -> int:
         save_random_snapshot(Path(args.folder), args.smoke)
         return 0
     if args.child:
+        from semif_serve.kernel_cache import configure
+
+        configure()  # before torch loads: the serving run's caches (SEMIF_KERNEL_CACHE_DIR)
         if args.child == "reference":
             for name in FAST_KERNEL_MODULES:  # find_spec() now says "not installed"
                 sys.modules[name] = None

@@ -26,6 +26,9 @@ from pathlib import Path
 from benchlib import spread
 from workloads import make_workload
 
+from semif_serve.kernel_cache import SUBFOLDERS, SWITCHES
+
+CACHE_VARIABLES = {*SUBFOLDERS, *SWITCHES}
 TOKEN = "gpu-bench-token-not-served-anywhere-00000"
 READY_TIMEOUT_S = 600  # a cold start on a GPU autotunes every warmed shape
 STOP_TIMEOUT_S = 60
@@ -66,8 +69,9 @@ class Server:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
+        inherited = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
         self.env = {
-            **os.environ,
+            **inherited,  # the kernel caches follow SEMIF_KERNEL_CACHE_DIR, never the caller's
             **env,
             "SEMIF_API_TOKEN": TOKEN,
             "SEMIF_BIND": f"127.0.0.1:{self.port}",
