@@ -11,21 +11,30 @@ from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prompt import encode_prompt
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import Row, as_row
+from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
 
 
-def score(scoring_model: ScoringModel, row: Row | dict, *, max_tokens: int) -> dict[str, Any]:
-    """Score one SemIf row; raises ValueError (naming the field or guard) for a bad row."""
+def score(
+    scoring_model: ScoringModel,
+    row: Row | dict,
+    *,
+    max_tokens: int,
+    buckets: Buckets | None | str = AUTO,
+) -> dict[str, Any]:
+    """Score one SemIf row; raises ValueError (naming the field or guard) for a bad row.
+
+    `buckets` (`shapes.AUTO`: on for CUDA models, off on the CPU) right-pads the prompt to its
+    length bucket; the result is the same (see `semif_serve.scoring.shapes`)."""
     started = perf_counter()
     parsed = as_row(row)
     prompt = encode_prompt(scoring_model.tokenizer, parsed, max_tokens)
     model = scoring_model.model
-    input_ids = torch.tensor([prompt.ids], dtype=torch.long, device=model.device)
     letter_ids = torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=model.device)
 
     forward_started = perf_counter()
     with torch.inference_mode():
-        output = model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-        letter_logits = output.logits[0, -1].float().index_select(0, letter_ids).cpu()
+        logits = last_logits(model, prompt.ids, resolve(buckets, model.device))
+        letter_logits = logits.float().index_select(0, letter_ids).cpu()
     forward_seconds = perf_counter() - forward_started
 
     return build_result(
@@ -36,3 +45,16 @@ def score(scoring_model: ScoringModel, row: Row | dict, *, max_tokens: int) -> d
         forward_seconds=forward_seconds,
         total_seconds=perf_counter() - started,
     )
+
+
+def last_logits(model: Any, ids: list[int], buckets: Buckets | None) -> torch.Tensor:
+    """The logits (vocab,) after the last of `ids`: one uncached forward of shape (1, length),
+    `length` = len(ids), or its bucket with right padding (call inside inference_mode)."""
+    if buckets is None:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
+        return model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits[0, -1]
+    input_ids = torch.full((1, buckets.length(len(ids))), PAD_TOKEN_ID, dtype=torch.long)
+    input_ids[0, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    last = torch.tensor([len(ids) - 1], dtype=torch.long, device=model.device)
+    output = model(input_ids=input_ids.to(model.device), use_cache=False, logits_to_keep=last)
+    return output.logits[0, 0]

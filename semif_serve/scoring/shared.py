@@ -9,10 +9,14 @@
    with position ids continuing from the prefix and a mask over prefix + real suffix tokens;
    right padding keeps the recurrent layers exact (a row's real tokens never see its padding).
 4. Read each row's logits at its own last real token.
+With shape buckets (`shapes.py`; on for CUDA models by default) the prefill is cut down to a
+prefix bucket, suffixes and rows are padded to buckets, and big calls run in several suffix
+forwards, so that every forward has one of the shapes warm-up ran; the results are the same.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from time import perf_counter
 from typing import Any
@@ -26,6 +30,7 @@ from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_att
 from semif_serve.scoring.prompt import EncodedPrompt
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import Row
+from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
 from semif_serve.scoring.shared_prompts import encode_shared
 
 SERVING_CONFIG = "native-state-prefix-parallel-v1"
@@ -33,15 +38,24 @@ PACKED_CHUNK_TOKENS = 512
 
 
 def score_shared(
-    scoring_model: ScoringModel, rows: list[Row | dict], *, max_tokens: int
+    scoring_model: ScoringModel,
+    rows: list[Row | dict],
+    *,
+    max_tokens: int,
+    buckets: Buckets | None | str = AUTO,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Score rows that share one exact state; returns (results in row order, timing)."""
+    """Score rows that share one exact state; returns (results in row order, timing).
+
+    `buckets` (`shapes.AUTO`: on for CUDA models, off on the CPU) gives every forward a
+    bucketed shape; the results are the same (see `semif_serve.scoring.shapes`)."""
     started = perf_counter()
     parsed, prompts, prefix_ids = encode_shared(scoring_model.tokenizer, rows, max_tokens)
     encode_seconds = perf_counter() - started
 
-    forward = _forward_packed if is_pure_attention(scoring_model.model) else _forward
-    letter_logits, forward_timing = forward(scoring_model.model, prefix_ids, prompts)
+    model = scoring_model.model
+    letter_logits, forward_timing = forward(
+        model, prefix_ids, prompts, resolve(buckets, model.device)
+    )
 
     model_block = {**scoring_model.info.as_dict(), "serving_config": SERVING_CONFIG}
     forward_seconds = forward_timing["prefill_seconds"] + forward_timing["suffix_forward_seconds"]
@@ -58,71 +72,137 @@ def score_shared(
         for row, prompt, logits in zip(parsed, prompts, letter_logits)
     ]
     padded_suffix_tokens = forward_timing.pop("padded_suffix_tokens")
+    prefix_tokens = forward_timing.pop("prefix_tokens")
     timing = {
         "total_seconds": total_seconds,
         "encode_seconds": encode_seconds,
-        "prefix_tokens": len(prefix_ids),
+        "prefix_tokens": prefix_tokens,
         **forward_timing,
         "batch_size": len(parsed),
-        "true_suffix_tokens": sum(len(prompt.ids) - len(prefix_ids) for prompt in prompts),
+        "true_suffix_tokens": sum(len(prompt.ids) - prefix_tokens for prompt in prompts),
         "padded_suffix_tokens": padded_suffix_tokens,
     }
     return results, timing
 
 
+def forward(
+    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt], buckets: Buckets | None
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The forward stage: each prompt's letter logits (CPU) and the phase timings. Every prompt's
+    ids begin with `prefix_ids`. With `buckets`, only `buckets.prefix(len(prefix_ids))` of them
+    are prefilled (the rest start every suffix) and every forward has a bucketed shape."""
+    if buckets is not None:
+        prefix_ids = prefix_ids[: buckets.prefix(len(prefix_ids))]
+    if is_pure_attention(model):
+        return _forward_packed(model, prefix_ids, prompts, buckets)
+    return _forward(model, prefix_ids, prompts, buckets)
+
+
 def _forward(
-    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt]
-) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """Prefill once; the suffixes as one right-padded batch over it; letter logits per row (CPU).
+    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt], buckets: Buckets | None
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Prefill once; the suffixes as right-padded batches over it; letter logits per row (CPU).
 
     Right padding keeps every row exact: a row's real tokens never see its padding (attention is
     causal and the recurrent layers run left to right), and each row is read at its last real
-    token. Position ids continue from the prefix in every row.
+    token. Position ids continue from the prefix in every row. Without buckets all rows go in
+    one batch; with them, in groups of at most `rows_per_forward` rows, each over its own copy
+    of the prefilled cache (the recurrent layers update their states in place).
     """
     device = model.device
-    rows = len(prompts)
     prefix_length = len(prefix_ids)
     suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
-    lengths = torch.tensor([len(suffix) for suffix in suffixes], dtype=torch.long)
-    longest = int(lengths.max())
-    suffix_ids = torch.zeros((rows, longest), dtype=torch.long)
-    for index, suffix in enumerate(suffixes):
-        suffix_ids[index, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
-    position_ids = (torch.arange(longest, dtype=torch.long) + prefix_length).expand(rows, -1)
-    real = torch.arange(longest)[None, :] < lengths[:, None]  # (rows, longest): not padding
-
+    groups = _row_groups(suffixes, buckets)
     base_model = model.get_decoder()
-    output_embeddings = model.get_output_embeddings()
     sharing = enable_prefix_attention(model)
+    last_hidden = []
+    layout_seconds = suffix_seconds = 0.0
+    padded_tokens = 0
     with torch.inference_mode():
         prefill_started = perf_counter()
         cache = _prefill(base_model, model.config, prefix_ids, device)
-        layout_started = perf_counter()
-        if sharing and can_share_prefix(cache):
-            # One prefix copy for every row; the mask covers each row's own suffix keys only.
-            attending = attending_to(share_prefix(cache, rows))
-            causal = torch.ones((longest, longest), dtype=torch.bool).tril()
-            attention_mask = (causal[None] & real[:, None, :])[:, None]
-        else:
-            attending = nullcontext()
-            replicate_cache(cache, rows)
-            prefix_mask = torch.ones((rows, prefix_length), dtype=torch.long)
-            attention_mask = torch.cat([prefix_mask, real.long()], dim=1)
-        _synchronize(device)
-        suffix_started = perf_counter()
-        with attending:
-            hidden = _continue(base_model, cache, suffix_ids, attention_mask, position_ids)
-        last_hidden = hidden[torch.arange(rows, device=device), (lengths - 1).to(device)]
-        logits = output_embeddings(last_hidden).float()
+        prefill_seconds = perf_counter() - prefill_started
+        for group in groups:
+            group_cache = copy.deepcopy(cache) if len(groups) > 1 else cache
+            hidden, timing = _suffix_forward(
+                base_model, group_cache, group, prefix_length, sharing, buckets
+            )
+            last_hidden.append(hidden)
+            layout_seconds += timing[0]
+            suffix_seconds += timing[1]
+            padded_tokens += timing[2]
+            del group_cache
+        letters_started = perf_counter()
+        logits = model.get_output_embeddings()(torch.cat(last_hidden)).float()
         letter_logits = _letter_logits(logits, prompts, device)
-        suffix_seconds = perf_counter() - suffix_started
-    del cache, hidden, logits
+        suffix_seconds += perf_counter() - letters_started
+    del cache, logits, last_hidden
     return letter_logits, {
-        "prefill_seconds": layout_started - prefill_started,
-        "replicate_seconds": suffix_started - layout_started,
+        "prefix_tokens": prefix_length,
+        "prefill_seconds": prefill_seconds,
+        "replicate_seconds": layout_seconds,
         "suffix_forward_seconds": suffix_seconds,
-        "padded_suffix_tokens": rows * longest,
+        "padded_suffix_tokens": padded_tokens,
     }
+
+
+def _row_groups(suffixes: list[list[int]], buckets: Buckets | None) -> list[list[list[int]]]:
+    """Consecutive runs of suffixes, one suffix forward each: all of them without buckets."""
+    if buckets is None:
+        return [suffixes]
+    per_forward = buckets.rows_per_forward(buckets.length(max(map(len, suffixes))))
+    return [suffixes[start : start + per_forward] for start in range(0, len(suffixes), per_forward)]
+
+
+def _suffix_forward(
+    base_model: Any,
+    cache: Any,
+    suffixes: list[list[int]],
+    prefix_length: int,
+    sharing: bool,
+    buckets: Buckets | None,
+) -> tuple[torch.Tensor, tuple[float, float, int]]:
+    """One right-padded batch of suffixes over `cache` (consumed): each row's last real hidden
+    state, and (layout seconds, forward seconds, padded tokens). With buckets the batch has
+    `buckets.rows(n)` rows (copies of the last row fill it) of `buckets.length(longest)`."""
+    device = base_model.device
+    rows = len(suffixes)
+    lengths = [len(suffix) for suffix in suffixes]
+    width = max(lengths)
+    if buckets is not None:
+        suffixes = suffixes + [suffixes[-1]] * (buckets.rows(rows) - rows)
+        lengths = [len(suffix) for suffix in suffixes]
+        width = buckets.length(width)
+    padded_rows = len(suffixes)
+    suffix_ids = torch.full((padded_rows, width), PAD_TOKEN_ID, dtype=torch.long)
+    for index, suffix in enumerate(suffixes):
+        suffix_ids[index, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
+    position_ids = (torch.arange(width, dtype=torch.long) + prefix_length).expand(padded_rows, -1)
+    real_lengths = torch.tensor(lengths, dtype=torch.long)
+    real = torch.arange(width)[None, :] < real_lengths[:, None]  # (rows, width): not padding
+
+    layout_started = perf_counter()
+    if sharing and can_share_prefix(cache):
+        # One prefix copy for every row; the mask covers each row's own suffix keys only.
+        attending = attending_to(share_prefix(cache, padded_rows))
+        causal = torch.ones((width, width), dtype=torch.bool).tril()
+        attention_mask = (causal[None] & real[:, None, :])[:, None]
+    else:
+        attending = nullcontext()
+        replicate_cache(cache, padded_rows)
+        prefix_mask = torch.ones((padded_rows, prefix_length), dtype=torch.long)
+        attention_mask = torch.cat([prefix_mask, real.long()], dim=1)
+    _synchronize(device)
+    suffix_started = perf_counter()
+    with attending:
+        hidden = _continue(base_model, cache, suffix_ids, attention_mask, position_ids)
+    last = (real_lengths[:rows] - 1).to(device)
+    last_hidden = hidden[torch.arange(rows, device=device), last]
+    return last_hidden, (
+        suffix_started - layout_started,
+        perf_counter() - suffix_started,
+        padded_rows * width,
+    )
 
 
 def _prefill(base_model: Any, config: Any, prefix_ids: list[int], device: torch.device) -> Any:
@@ -162,13 +242,15 @@ def is_pure_attention(model: Any) -> bool:
 
 
 def _forward_packed(
-    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt]
-) -> tuple[list[torch.Tensor], dict[str, float]]:
+    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt], buckets: Buckets | None
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """Attention-only models: suffixes packed into rows after ONE prefix cache, a chunk at a time.
 
     A block mask lets each suffix token see the prefix and its own suffix's earlier tokens only,
     and position ids restart at the prefix length for every suffix, so each row computes exactly
-    what its direct prompt would. Nothing is replicated and nothing is padded. Rows are packed in
+    what its direct prompt would. Nothing is replicated, and nothing is padded unless `buckets`
+    right-pads each packed row to its length bucket (padding sees only the prefix, and no real
+    token sees padding). Rows are packed in
     chunks of about `PACKED_CHUNK_TOKENS`: a packed token also scores (then masks) the other
     suffixes of its chunk, so smaller chunks waste less attention and larger ones make fewer
     forward calls. After each chunk the cache is cut back to the prefix.
@@ -179,13 +261,17 @@ def _forward_packed(
     base_model = model.get_decoder()
     output_embeddings = model.get_output_embeddings()
     last_hidden = []
+    padded_tokens = 0
     with torch.inference_mode():
         prefill_started = perf_counter()
         cache = _prefill(base_model, model.config, prefix_ids, device)
         prefix_layers = [(layer.keys, layer.values) for layer in cache.layers]
         suffix_started = perf_counter()
         for chunk in _chunks(suffixes, PACKED_CHUNK_TOKENS):
-            ids, mask, positions, last = _packed_inputs(chunk, prefix_length, model.dtype)
+            total = sum(len(suffix) for suffix in chunk)
+            width = total if buckets is None else buckets.length(total)
+            padded_tokens += width
+            ids, mask, positions, last = _packed_inputs(chunk, prefix_length, model.dtype, width)
             hidden = _continue(base_model, cache, ids, mask, positions)
             last_hidden.append(hidden[0, last.to(device)])
             for layer, (keys, values) in zip(cache.layers, prefix_layers):
@@ -195,10 +281,11 @@ def _forward_packed(
         suffix_seconds = perf_counter() - suffix_started
     del cache, prefix_layers, hidden, logits
     return letter_logits, {
+        "prefix_tokens": prefix_length,
         "prefill_seconds": suffix_started - prefill_started,
         "replicate_seconds": 0.0,
         "suffix_forward_seconds": suffix_seconds,
-        "padded_suffix_tokens": sum(len(suffix) for suffix in suffixes),  # nothing is padded
+        "padded_suffix_tokens": padded_tokens,  # the real suffix tokens, without buckets
     }
 
 
@@ -216,14 +303,17 @@ def _chunks(suffixes: list[list[int]], tokens: int) -> list[list[list[int]]]:
 
 
 def _packed_inputs(
-    suffixes: list[list[int]], prefix_length: int, dtype: torch.dtype
+    suffixes: list[list[int]], prefix_length: int, dtype: torch.dtype, width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One packed row: token ids, the block mask over prefix + row, position ids, last indices."""
+    """One packed row of `width` tokens (the suffixes, then padding that sees only the prefix):
+    token ids, the block mask over prefix + row, position ids, last indices."""
     lengths = [len(suffix) for suffix in suffixes]
     total = sum(lengths)
-    ids = torch.tensor([[token for suffix in suffixes for token in suffix]], dtype=torch.long)
-    positions = torch.cat([torch.arange(length) for length in lengths]) + prefix_length
-    allowed = torch.zeros((total, prefix_length + total), dtype=torch.bool)
+    tokens = [token for suffix in suffixes for token in suffix]
+    ids = torch.tensor([tokens + [PAD_TOKEN_ID] * (width - total)], dtype=torch.long)
+    positions = torch.cat([torch.arange(length) for length in lengths + [width - total]])
+    positions = positions + prefix_length
+    allowed = torch.zeros((width, prefix_length + width), dtype=torch.bool)
     allowed[:, :prefix_length] = True
     start = 0
     for length in lengths:
