@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from semif_serve.scoring.rows import Row, RowError, state_json
@@ -125,21 +125,170 @@ def check_answer_boundary(
     """The answer letter must be a token of its own after each prompt, never merged into it.
 
     texts[i] encodes to ids[i]; letter_ids[i] are its options' letter tokens. Raises
-    `PromptRejected` with `row_index` i for the first prompt that fails.
+    `PromptRejected` with `row_index` i for the first prompt that fails, naming its first letter
+    that fails. The verdicts are those of `answer_boundary_failures` (every whole prompt + letter
+    re-encoded); where `added_tokens` vouches for the tokenizer, only the text after a prompt's
+    last added token is re-encoded, since the letter cannot reach further back (`_tail_failure`).
     """
+    added = added_tokens(tokenizer)
+    memo: dict[str, tuple[list[int], dict[str, list[int]]]] = {}
+    verdicts = [
+        _UNDECIDED if added is None else _tail_failure(tokenizer, added, *row, memo)
+        for row in zip(texts, ids, letter_ids)
+    ]
+    undecided = [index for index, verdict in enumerate(verdicts) if verdict is _UNDECIDED]
+    full = answer_boundary_failures(
+        tokenizer,
+        [texts[index] for index in undecided],
+        [ids[index] for index in undecided],
+        [letter_ids[index] for index in undecided],
+    )
+    verdicts_by_index = dict(zip(undecided, full))
+    for index, verdict in enumerate(verdicts):
+        failing = verdicts_by_index[index] if verdict is _UNDECIDED else verdict
+        if failing is not None:
+            raise PromptRejected(
+                f"answer boundary guard: prompt + {failing!r} does not encode as the prompt's "
+                "tokens followed by the letter's token",
+                row_index=index,
+            )
+
+
+def answer_boundary_failures(
+    tokenizer: ChatTokenizer, texts: list[str], ids: list[list[int]], letter_ids: list[list[int]]
+) -> list[str | None]:
+    """Per prompt, its first letter whose token does not follow the prompt's own tokens when
+    the whole prompt + letter is encoded (None: every letter does). The reference check."""
     probes = [
         (index, letter, letter_id)
         for index, row_letters in enumerate(letter_ids)
         for letter, letter_id in zip(LETTERS, row_letters)
     ]
     encoded = encode_many(tokenizer, [texts[index] + letter for index, letter, _ in probes])
+    failures: list[str | None] = [None] * len(texts)
     for (index, letter, letter_id), with_letter in zip(probes, encoded):
-        if with_letter != ids[index] + [letter_id]:
-            raise PromptRejected(
-                f"answer boundary guard: prompt + {letter!r} does not encode as the prompt's "
-                "tokens followed by the letter's token",
-                row_index=index,
-            )
+        if failures[index] is None and with_letter != ids[index] + [letter_id]:
+            failures[index] = letter
+    return failures
+
+
+@dataclass(frozen=True)
+class AddedTokens:
+    """The strings a fast tokenizer cuts out of any text as tokens of their own, first of all."""
+
+    contents: tuple[str, ...]
+    longest: int = field(init=False)
+    letter_endings: tuple[str, ...] = field(init=False)  # contents a letter could complete
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "longest", max(map(len, self.contents), default=0))
+        endings = tuple(content for content in self.contents if content[-1] in LETTERS)
+        object.__setattr__(self, "letter_endings", endings)
+
+
+TAIL_WINDOW = 512  # characters searched first for a prompt's last added token (found near its end)
+
+
+def added_tokens(tokenizer: ChatTokenizer) -> AddedTokens | None:
+    """The added tokens of a tokenizer whose fast backend (HF `tokenizers`) cuts the text at each
+    occurrence of one, as a plain string, and then normalises, pre-tokenises and encodes every
+    piece between them on its own; so the tokens of a piece depend on that piece's text only.
+
+    None when that cannot be established: no fast backend; special tokens encoded as text; a
+    token with lstrip/rstrip/single_word (its cut depends on the neighbouring text) or, under a
+    normalizer, `normalized` (matched in normalised text); a Metaspace pre-tokenizer that marks
+    only the text's first piece. No added token at all is `AddedTokens(())`.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "split_special_tokens", False):
+        return None
+    try:
+        if backend.encode_special_tokens:
+            return None
+        tokens = list(backend.get_added_tokens_decoder().values())
+        normalizer = backend.normalizer
+        pre_tokenizer = backend.pre_tokenizer
+        pre_state = pre_tokenizer.__getstate__() if pre_tokenizer is not None else b""
+    except AttributeError:
+        return None
+    if b'"prepend_scheme":"first"' in pre_state:
+        return None
+    for token in tokens:
+        if token.lstrip or token.rstrip or token.single_word or not token.content:
+            return None
+        if token.normalized and normalizer is not None:
+            return None
+    return AddedTokens(tuple(sorted({token.content for token in tokens})))
+
+
+def tail_start(text: str, added: AddedTokens) -> int | None:
+    """Where the text after its last added-token occurrence begins. None when none occurs, or
+    when another occurrence overlaps that last one (the tokenizer's leftmost-longest matching
+    might then cut out the other one instead)."""
+    last, last_content = _last_occurrence(text, added, max(0, len(text) - TAIL_WINDOW))
+    if last < 0 or last + len(last_content) < len(text) - TAIL_WINDOW + added.longest:
+        # Not found near the end: an occurrence reaching into the window may have been missed.
+        last, last_content = _last_occurrence(text, added, 0)
+    if last < 0:
+        return None
+    end = last + len(last_content)
+    for content in added.contents:
+        # Occurrences overlapping [last, end) start in (last - len, end); none ends after `end`.
+        stop = end + len(content) - 1
+        found = text.find(content, max(0, last - len(content) + 1), stop)
+        while found >= 0:
+            if (found, content) != (last, last_content):
+                return None
+            found = text.find(content, found + 1, stop)
+    return end
+
+
+def _last_occurrence(text: str, added: AddedTokens, begin: int) -> tuple[int, str]:
+    """(start, content) of the occurrence in text[begin:] that ends last; (-1, "") if none."""
+    last, last_content = -1, ""
+    for content in added.contents:
+        start = text.rfind(content, begin)
+        if start >= 0 and start + len(content) > last + len(last_content):
+            last, last_content = start, content
+    return last, last_content
+
+
+_UNDECIDED = object()  # the tail shortcut cannot vouch for this prompt: re-encode it whole
+
+
+def _tail_failure(
+    tokenizer: ChatTokenizer,
+    added: AddedTokens,
+    text: str,
+    prompt_ids: list[int],
+    row_letters: list[int],
+    memo: dict[str, tuple[list[int], dict[str, list[int]]]],
+) -> str | None | object:
+    """The first letter that merges into the prompt, judged on the prompt's tail alone: the text
+    after its last added token is a piece the tokenizer encodes on its own, in the prompt and in
+    prompt + letter alike, so prompt + letter encodes as the prompt's tokens + the letter's iff
+    tail + letter encodes as the tail's tokens + the letter's. `_UNDECIDED` when the tail cannot
+    be told apart, when a letter would complete an added token begun before the tail, or when
+    the tail's tokens are not the prompt's last tokens."""
+    start = tail_start(text, added)
+    if start is None:
+        return _UNDECIDED
+    tail = text[start:]
+    letters = LETTERS[: len(row_letters)]
+    for content in added.letter_endings:
+        if content[-1] in letters and len(content) > len(tail) + 1 and text.endswith(content[:-1]):
+            return _UNDECIDED
+    if tail not in memo:
+        memo[tail] = (encode(tokenizer, tail), {})
+    tail_ids, with_letters = memo[tail]
+    if len(tail_ids) > len(prompt_ids) or prompt_ids[len(prompt_ids) - len(tail_ids) :] != tail_ids:
+        return _UNDECIDED
+    for letter, letter_id in zip(letters, row_letters):
+        if letter not in with_letters:
+            with_letters[letter] = encode(tokenizer, tail + letter)
+        if with_letters[letter] != tail_ids + [letter_id]:
+            return letter
+    return None
 
 
 def check_length(ids: list[int], max_tokens: int) -> None:
@@ -166,10 +315,24 @@ def encode_prompts(
     A failure is a `PromptRejected` whose `row_index` is the row's position: the first guard (in
     the order render, length, letters, answer boundary) that any row fails, first row first.
     """
-    texts = []
-    for index, row in enumerate(rows):
-        texts.append(_with_index(index, render, tokenizer, row))
-    ids = encode_many(tokenizer, texts)
+    texts = render_all(tokenizer, rows)
+    return guard_prompts(tokenizer, rows, texts, encode_many(tokenizer, texts), max_tokens)
+
+
+def render_all(tokenizer: ChatTokenizer, rows: list[Row]) -> list[str]:
+    """Every row's rendered prompt; a render failure carries the row's position."""
+    return [_with_index(index, render, tokenizer, row) for index, row in enumerate(rows)]
+
+
+def guard_prompts(
+    tokenizer: ChatTokenizer,
+    rows: list[Row],
+    texts: list[str],
+    ids: list[list[int]],
+    max_tokens: int,
+) -> list[EncodedPrompt]:
+    """The guards after rendering (length, letters, answer boundary), in that order over all
+    rows, on texts[i] and its token ids ids[i] (exactly what `encode` gives for it)."""
     for index, row_ids in enumerate(ids):
         _with_index(index, check_length, row_ids, max_tokens)
     letters_by_count: dict[int, list[int]] = {}
