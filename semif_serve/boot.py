@@ -192,10 +192,21 @@ def build_engine(
     if on_gpu:
         torch_module.cuda.reset_peak_memory_stats(device)
         allocated_before = torch_module.cuda.memory_allocated(device)
+    from semif_serve.warmup import warm_up_shapes
+
     try:
         warm_up = engine.score(parse_row(WARM_UP_ROW))
+        shapes = warm_up_shapes(
+            scoring_model,
+            max_tokens=spec.max_tokens,
+            max_rows=settings.max_decisions,
+            lock=lock,  # the process-wide lock, taken per shape (INV-2 during a load beside)
+        )
     except Exception as error:
         raise StartupError(f"the warm-up decision failed: {error}") from error
+    if shapes is not None:  # every shape ran (CUDA): the peak is the largest shape's, reached
+        # by at most a max_tokens prompt padded to its bucket
+        warm_up = {**warm_up, "input_tokens": shapes["largest_direct_tokens"]}
     engine.record_baseline()
     engine.resident_bytes = (
         engine.baseline_reserved if on_gpu else parameter_bytes(scoring_model.model)
