@@ -14,7 +14,7 @@ import torch
 from fake_torch import GIB, MIB, FakeCuda, FakeTorch
 from fakes import settings
 
-from semif_serve import boot
+from semif_serve import boot, warmup
 from semif_serve.boot import (
     StartupError,
     TorchScorer,
@@ -135,7 +135,14 @@ def warm_up(monkeypatch):
             cuda.peak_allocated = max(cuda.peak_allocated, cuda.allocated + plan.peak)
         return {"input_tokens": plan.input_tokens}
 
+    def warm_up_shapes(scoring_model, **kwargs):
+        """The shape warm-up (semif_serve.warmup): recorded; returns `plan.shapes`."""
+        plan.shape_calls.append((scoring_model, kwargs))
+        return plan.shapes
+
+    plan.shapes, plan.shape_calls = None, []
     monkeypatch.setattr(TorchScorer, "score", score)
+    monkeypatch.setattr(warmup, "warm_up_shapes", warm_up_shapes)
     return plan
 
 
@@ -349,6 +356,24 @@ def test_gpu_capacity_scales_the_warm_up_peak_to_max_tokens(
     )
     assert engine.max_parallel_slots == slots
     assert engine.baseline_reserved == engine.resident_bytes == 3 * GIB
+
+
+def test_the_shape_warm_up_runs_after_the_decision_and_its_largest_shape_sizes_capacity(warm_up):
+    fake = FakeTorch(total=80 * GIB)
+    warm_up.fake, warm_up.input_tokens, warm_up.peak = fake, 100, 4 * GIB
+    lock = threading.Lock()
+    model = scoring_model()
+    config = gpu(vram_cap_gib=40.0, max_tokens=4096, max_decisions=48)
+    engine = build_engine(config, torch_module=fake, load=Loads(model), lock=lock)
+    assert warm_up.shape_calls == [(model, {"max_tokens": 4096, "max_rows": 48, "lock": lock})]
+    # without the shape warm-up: 4 GiB x 4096 / 100 tokens per decision, far over the cap
+    assert engine.max_parallel_slots == 1
+    warm_up.shapes = {"largest_direct_tokens": 4096}
+    engine = build_engine(config, torch_module=fake, load=Loads(model), lock=lock)
+    assert engine.max_parallel_slots == 10  # (40 GiB - a 0 baseline) / (4 GiB x 4096 / 4096)
+    warm_up.error = RuntimeError("boom")
+    with pytest.raises(StartupError, match="the warm-up decision failed: boom"):
+        build_engine(config, torch_module=fake, load=Loads(model), lock=lock)
 
 
 def test_cpu_capacity_comes_from_the_memory_budget_and_the_attention_cache(warm_up):
