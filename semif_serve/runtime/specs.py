@@ -80,9 +80,15 @@ def default_spec(settings: Any) -> ModelSpec:
 
 
 def parse_spec(
-    model_id: str, table: Mapping[str, Any], settings: Any, where: str = ""
+    model_id: str,
+    table: Mapping[str, Any],
+    settings: Any,
+    where: str = "",
+    *,
+    in_models_file: bool = False,
 ) -> ModelSpec:
-    """Validate one model table (from the models file or a PUT body) against `settings`."""
+    """Validate one model table (from the models file, or a PUT body: no `default` key there,
+    since a PUT cannot change the default) against `settings`."""
     name = f"{where}{model_id}"
     if not MODEL_ID.fullmatch(model_id) or model_id in RESERVED_IDS:
         raise SpecError(
@@ -92,6 +98,11 @@ def parse_spec(
     unknown = sorted(set(table) - SPEC_KEYS)
     if unknown:
         raise SpecError(f"{name}: unknown keys {unknown}")
+    if "default" in table and not in_models_file:
+        raise SpecError(
+            f"{name}.default: only SEMIF_MODELS_FILE chooses the default model; a registered "
+            "model is named by the request's `model` field"
+        )
     source = table.get("source")
     if not isinstance(source, str) or not source.strip():
         raise SpecError(f"{name}.source: required, a nonempty string")
@@ -144,7 +155,9 @@ def load_models_file(path: str, settings: Any) -> tuple[list[ModelSpec], str]:
     specs, defaults = [], []
     for model_id, table in document.items():
         try:
-            specs.append(parse_spec(model_id, table, settings, where=f"{variable}: "))
+            specs.append(
+                parse_spec(model_id, table, settings, where=f"{variable}: ", in_models_file=True)
+            )
             if _flag(table, "default", False, model_id):
                 defaults.append(model_id)
         except SpecError as error:
