@@ -2,6 +2,9 @@
 
 A row becomes `EncodedPrompt` (text, token ids, the option letters' token ids, sha256) or a
 `PromptRejected` (a ValueError) naming the guard that failed. Nothing is ever truncated.
+The answer-boundary guard re-encodes only the text after a prompt's last added token when the
+tokenizer is known to encode that piece on its own (`added_tokens`); its verdicts are exactly
+those of re-encoding the whole prompt + letter (tests/test_prompt_fastpath.py).
 """
 
 from __future__ import annotations
@@ -225,8 +228,9 @@ def tail_start(text: str, added: AddedTokens) -> int | None:
     """Where the text after its last added-token occurrence begins. None when none occurs, or
     when another occurrence overlaps that last one (the tokenizer's leftmost-longest matching
     might then cut out the other one instead)."""
-    last, last_content = _last_occurrence(text, added, max(0, len(text) - TAIL_WINDOW))
-    if last < 0 or last + len(last_content) < len(text) - TAIL_WINDOW + added.longest:
+    begin = max(0, len(text) - TAIL_WINDOW)
+    last, last_content = _last_occurrence(text, added, begin)
+    if begin and (last < 0 or last + len(last_content) < begin + added.longest):
         # Not found near the end: an occurrence reaching into the window may have been missed.
         last, last_content = _last_occurrence(text, added, 0)
     if last < 0:
