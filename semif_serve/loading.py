@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from semif_serve import builtin
 from semif_serve.scoring.model import ModelInfo, ScoringModel
+from semif_serve.scoring.prefix_attention import ATTENTION_NAME as PREFIX_ATTENTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PINNED_REVISION = re.compile(r"[0-9a-f]{40}")
@@ -67,9 +68,23 @@ def load_model(
     model.to(device)
     model.eval()
     info = ModelInfo(
-        source=source, revision=located.revision, dtype=dtype, device=str(model.device)
+        source=source,
+        revision=located.revision,
+        dtype=dtype,
+        device=str(model.device),
+        attention=attention_implementation(model),
     )
     return ScoringModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def attention_implementation(model: Any) -> str:
+    """The attention implementation `model` runs, as SemIf reports it: its config's
+    `_attn_implementation` ("sdpa", "eager", ...)."""
+    name = model.config._attn_implementation
+    # The shared scorer switches an SDPA model to our "semif_prefix_sdpa" wrapper
+    # (prefix_attention.py). That wrapper is stock SDPA outside a shared call and runs the same
+    # SDPA kernel inside one, so the numbers are SDPA's: it is reported as "sdpa".
+    return "sdpa" if name == PREFIX_ATTENTION else name
 
 
 @dataclass(frozen=True)

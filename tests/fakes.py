@@ -13,7 +13,7 @@ from semif_serve.config import Settings
 from semif_serve.engine import Engine
 from semif_serve.http import create_app
 from semif_serve.runtime.service import DecisionService
-from semif_serve.scoring.result import PROBABILITY_STATUS
+from semif_serve.scoring.result import PROBABILITY_STATUS, READOUTS
 from semif_serve.server import build_runtime
 
 TOKEN = "t" * 40
@@ -59,8 +59,14 @@ class FakeScorer:
             "total_seconds": 0.002,
             "prompt_sha256": "f" * 64,
             "prompt_version": "direct-options-v1",
-            "model": {**self.model_info(), "torch_version": "fake", "transformers_version": "fake"},
-            "readout": "fake",
+            "model": {
+                **self.model_info(),
+                "attention": "sdpa",
+                "torch_version": "fake",
+                "transformers_version": "fake",
+            },
+            "readout": READOUTS["direct"],
+            "summary": "fake",
             "probability_status": PROBABILITY_STATUS,
         }
 

@@ -13,8 +13,14 @@ from tiny_models import byte_tokenizer, tiny_qwen35_config
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 from semif_serve import builtin
-from semif_serve.loading import ModelLoadError, inspect_source, load_model
+from semif_serve.loading import (
+    ModelLoadError,
+    attention_implementation,
+    inspect_source,
+    load_model,
+)
 from semif_serve.scoring import score
+from semif_serve.scoring.prefix_attention import enable_prefix_attention
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 VOCAB = 300  # covers the byte tokenizer's 256 symbols
@@ -51,8 +57,19 @@ def test_a_local_folder_loads_in_eval_mode_with_its_revision(tmp_path):
     loaded = load_model(str(tmp_path), "my-build-7")
     assert not loaded.model.training
     assert loaded.info.revision == "my-build-7"
+    assert loaded.info.attention == "sdpa"
     assert load_model(str(tmp_path)).info.revision == "local"
     assert torch.equal(logits(saved, [5, 6, 7]), logits(loaded.model, [5, 6, 7]))
+
+
+def test_the_attention_reported_is_the_configs_with_our_prefix_wrapper_as_sdpa():
+    model = Qwen3_5ForCausalLM(tiny_qwen35_config(VOCAB))
+    assert attention_implementation(model) == "sdpa"
+    assert enable_prefix_attention(model)
+    assert model.config._attn_implementation == "semif_prefix_sdpa"
+    assert attention_implementation(model) == "sdpa"
+    eager = Qwen3_5ForCausalLM._from_config(tiny_qwen35_config(VOCAB), attn_implementation="eager")
+    assert attention_implementation(eager) == "eager"
 
 
 def test_the_multimodal_qwen35_checkpoint_loads_as_the_text_model(tmp_path):

@@ -9,6 +9,7 @@ from jsonschema import ValidationError
 from openapi_check import spec, validate, validate_reply, validate_request
 from openapi_rules import RULE_FILTERS
 from openapi_spec_validator import validate as validate_spec
+from rows_factory import make_rows
 
 from semif_serve.config import DTYPES, Settings
 from semif_serve.decisions import MAX_OPTIONS_FOR_ALL, ORDERINGS
@@ -24,6 +25,8 @@ from semif_serve.runtime.specs import (
     SPEC_KEYS,
     default_spec,
 )
+from semif_serve.scoring import score, score_shared
+from semif_serve.scoring.result import READOUTS
 from semif_serve.scoring.rows import MAX_OPTIONS, MAX_STATE_DEPTH, MIN_OPTIONS
 from semif_serve.server import GUNICORN_ERROR_CODES
 
@@ -132,6 +135,15 @@ def test_the_documented_limits_are_the_servers():
     assert set(model) == SPEC_KEYS - {"default"}
     assert schemas["NewModelId"]["pattern"] == f"^{MODEL_ID.pattern}$"
     assert {schemas["NewModelId"]["not"]["const"]} == RESERVED_IDS
+    assert schemas["Result"]["properties"]["readout"]["enum"] == list(READOUTS.values())
+
+
+def test_real_scorer_results_match_the_result_schema(tiny_qwen):
+    rows = make_rows(2, [2, 3])
+    direct = score(tiny_qwen, rows[0], max_tokens=4096)
+    shared, _ = score_shared(tiny_qwen, rows, max_tokens=4096)
+    for result in (direct, *shared):
+        validate({"$ref": "#/components/schemas/Result"}, result)
 
 
 def test_a_non_blank_string_is_one_that_strip_does_not_empty():

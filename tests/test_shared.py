@@ -6,7 +6,7 @@ from tiny_models import byte_symbols, byte_tokenizer
 
 from semif_serve.scoring import PromptRejected, RowError, parse_row, score, score_shared
 from semif_serve.scoring.prompt import render
-from semif_serve.scoring.result import PROBABILITY_STATUS
+from semif_serve.scoring.result import PROBABILITY_STATUS, READOUTS
 
 RESULT_KEYS = {
     "id",
@@ -20,6 +20,7 @@ RESULT_KEYS = {
     "prompt_version",
     "model",
     "readout",
+    "summary",
     "probability_status",
 }
 TIMING_KEYS = {
@@ -93,12 +94,16 @@ def test_results_carry_every_upstream_key(tiny_qwen):
     assert direct["probability_status"] == PROBABILITY_STATUS
     assert direct["option_ids"] == ["opt0", "opt1", "opt2", "opt3"]
     assert len(direct["probabilities"]) == len(direct["option_logits"]) == 4
-    assert sum(direct["probabilities"]) == pytest.approx(1.0, abs=1e-6)
+    assert abs(sum(direct["probabilities"]) - 1) < 1e-9  # SemIf's own check
+    assert direct["readout"] == READOUTS["direct"]
+    assert shared[1]["readout"] == READOUTS["shared"]
+    assert direct["summary"].endswith("over 4 option letters, one forward pass")
     assert set(direct["model"]) == {
         "source",
         "revision",
         "dtype",
         "device",
+        "attention",
         "torch_version",
         "transformers_version",
     }

@@ -41,6 +41,7 @@ def score(
         parsed,
         prompt,
         letter_logits,
+        scorer="direct",
         model=scoring_model.info.as_dict(),
         forward_seconds=forward_seconds,
         total_seconds=perf_counter() - started,

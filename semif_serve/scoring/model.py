@@ -10,12 +10,15 @@ from semif_serve.scoring.prompt import ChatTokenizer
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """Where the weights came from and how they run: `source` and `revision` pin them exactly."""
+    """Where the weights came from and how they run: `source` and `revision` pin them exactly.
+    `attention` is the attention implementation the model was loaded with (its config's
+    `_attn_implementation`, as SemIf reports it); results report it, the identity does not."""
 
     source: str
     revision: str
     dtype: str
     device: str
+    attention: str = "sdpa"  # transformers' default; `loading.load_model` sets the real one
 
     def identity(self) -> dict[str, str]:
         """Which weights, and how they run (what /health reports)."""
@@ -27,12 +30,14 @@ class ModelInfo:
         }
 
     def as_dict(self) -> dict[str, str]:
-        """The `model` block of every result: the identity plus the library versions."""
+        """The `model` block of every result: the identity, the attention implementation and
+        the library versions."""
         import torch
         import transformers
 
         return {
             **self.identity(),
+            "attention": self.attention,
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,
         }

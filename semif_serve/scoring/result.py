@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -10,14 +10,21 @@ from semif_serve.scoring.prompt import LETTERS, PROMPT_VERSION, EncodedPrompt
 from semif_serve.scoring.rows import Row
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
+# SemIf's fixed description of how each scorer reads its logits (the `readout` field).
+READOUTS = {
+    "direct": "native full-vocabulary last-position logits restricted to declared answer slots",
+    "shared": "native selected suffix-position logits",
+}
 
 
 def letter_probabilities(letter_logits: torch.Tensor) -> torch.Tensor:
-    """Softmax over the option letters' float32 logits only (no other token counts)."""
-    return torch.softmax(letter_logits.float(), dim=-1)
+    """Softmax over the option letters' float32 logits only, computed in float64."""
+    # float64 as upstream: a float32 softmax misses SemIf's check |sum(p) - 1| < 1e-9 for most
+    # logit vectors; float32 → float64 is exact, so only the arithmetic gains precision.
+    return torch.softmax(letter_logits.float().double(), dim=-1)
 
 
-def readout(row: Row, probabilities: list[float]) -> str:
+def summary(row: Row, probabilities: list[float]) -> str:
     """A one-line human reading of the scores: the top letter, its option id and probability."""
     top = max(range(len(probabilities)), key=probabilities.__getitem__)
     return (
@@ -31,11 +38,13 @@ def build_result(
     prompt: EncodedPrompt,
     letter_logits: torch.Tensor,
     *,
+    scorer: Literal["direct", "shared"],
     model: dict[str, Any],
     forward_seconds: float,
     total_seconds: float,
 ) -> dict[str, Any]:
-    """The result dict of one decision; `letter_logits` is 1-D in option order."""
+    """The result dict of one decision; `letter_logits` is 1-D in option order, `scorer` the
+    path that read them (it picks the `readout`)."""
     logits = letter_logits.float()
     probabilities = letter_probabilities(logits).tolist()
     return {
@@ -49,6 +58,7 @@ def build_result(
         "prompt_sha256": prompt.sha256,
         "prompt_version": PROMPT_VERSION,
         "model": model,
-        "readout": readout(row, probabilities),
+        "readout": READOUTS[scorer],
+        "summary": summary(row, probabilities),
         "probability_status": PROBABILITY_STATUS,
     }

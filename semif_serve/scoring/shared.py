@@ -65,6 +65,7 @@ def score_shared(
             row,
             prompt,
             logits,
+            scorer="shared",
             model=model_block,
             forward_seconds=forward_seconds,
             total_seconds=total_seconds,
