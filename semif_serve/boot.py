@@ -16,7 +16,8 @@ from typing import Any
 from semif_serve.engine import Engine
 from semif_serve.errors import BadManagementRequest
 from semif_serve.runtime.specs import MAX_SLOTS
-from semif_serve.scoring.rows import Row, parse_row
+from semif_serve.scoring.rows import parse_row
+from semif_serve.torch_scorer import TorchScorer
 
 GIB = 1 << 30
 WARM_UP_ROW = {
@@ -30,27 +31,6 @@ FAST_KERNEL_PACKAGES = ("flash-linear-attention", "causal-conv1d")
 
 class StartupError(RuntimeError):
     """The service must not start; the message says why and what to change."""
-
-
-class TorchScorer:
-    """The direct and shared scorers over one loaded model, with the server's max_tokens."""
-
-    def __init__(self, scoring_model: Any, max_tokens: int):
-        self.scoring_model = scoring_model
-        self._max_tokens = max_tokens
-
-    def model_info(self) -> dict[str, Any]:
-        return self.scoring_model.info.identity()
-
-    def score(self, row: Row) -> dict[str, Any]:
-        from semif_serve.scoring import score
-
-        return score(self.scoring_model, row, max_tokens=self._max_tokens)
-
-    def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from semif_serve.scoring import score_shared
-
-        return score_shared(self.scoring_model, rows, max_tokens=self._max_tokens)
 
 
 def resolve_device(device: str, torch_module: Any) -> str:
@@ -148,10 +128,16 @@ def check_source(
 
 
 def build_engine(
-    settings: Any, spec: Any = None, torch_module: Any = None, load: Any = None, lock: Any = None
+    settings: Any,
+    spec: Any = None,
+    torch_module: Any = None,
+    load: Any = None,
+    lock: Any = None,
+    prefix_cache: Any = None,
 ) -> Engine:
     """The engine for one model (`spec`, default: SEMIF_MODEL); StartupError instead of serving
-    badly."""
+    badly. `prefix_cache`: the process-wide state-prefix cache (None: off); its budget is kept
+    out of the memory the slot capacity is sized from."""
     if spec is None:
         from semif_serve.runtime.specs import default_spec
 
@@ -182,7 +168,7 @@ def build_engine(
                 "SEMIF_REQUIRE_FAST_KERNELS=0 to accept the slow path"
             )
     engine = Engine(
-        TorchScorer(scoring_model, spec.max_tokens),
+        TorchScorer(scoring_model, spec.max_tokens, prefix_cache, torch_module),
         device=device,
         torch_module=torch_module,
         concurrency=spec.slots,
@@ -208,6 +194,7 @@ def build_engine(
         # by at most a max_tokens prompt padded to its bucket
         warm_up = {**warm_up, "input_tokens": shapes["largest_direct_tokens"]}
     engine.record_baseline()
+    cache_budget = prefix_cache.budget_bytes if prefix_cache is not None else 0
     engine.resident_bytes = (
         engine.baseline_reserved if on_gpu else parameter_bytes(scoring_model.model)
     )
@@ -219,11 +206,15 @@ def build_engine(
         )
         warm_up_bytes = torch_module.cuda.max_memory_allocated(device) - allocated_before
         per_decision = warm_up_bytes * spec.max_tokens / max(warm_up["input_tokens"], 1)
-        engine.max_parallel_slots = derive_capacity(budget, engine.baseline_reserved, per_decision)
+        engine.max_parallel_slots = derive_capacity(
+            budget - cache_budget, engine.baseline_reserved, per_decision
+        )
     elif settings.memory_budget_gib:
         per_decision = kv_bytes_per_token(scoring_model.model) * spec.max_tokens * ACTIVATION_FACTOR
         engine.max_parallel_slots = derive_capacity(
-            settings.memory_budget_gib * GIB, parameter_bytes(scoring_model.model), per_decision
+            settings.memory_budget_gib * GIB - cache_budget,
+            parameter_bytes(scoring_model.model),
+            per_decision,
         )
     else:
         engine.max_parallel_slots = MAX_SLOTS

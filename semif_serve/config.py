@@ -22,6 +22,10 @@ MIN_TOKEN_LENGTH = 32
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")  # \d would take any Unicode digit
 DTYPES = ("float32", "bfloat16", "float16")
+# SEMIF_PREFIX_CACHE_GIB's default: on a GPU host ~70 states of ~2k tokens of Qwen3.5-4B; on the
+# CPU ~10 of SmolLM2's. At most MAX_PREFIX_CACHE_GIB (more is a typo: no card holds it).
+PREFIX_CACHE_GIB = {"cpu": 1.0, "cuda": 8.0}
+MAX_PREFIX_CACHE_GIB = 1024.0
 
 
 class ConfigError(ValueError):
@@ -54,6 +58,7 @@ class Settings:
     header_timeout_s: float = 10.0  # a request's line and headers must arrive within this
     body_timeout_s: float = 30.0  # and its body within this, counted from the end of the headers
     max_connections: int = 1000  # open connections the worker holds; more wait in the backlog
+    prefix_cache_gib: float = PREFIX_CACHE_GIB["cuda"]  # 0: no state-prefix cache
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -86,20 +91,20 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         bind=parse_bind(env.get("SEMIF_BIND", DEFAULT_BIND)),
         graceful_timeout_s=parse_limit(env, "SEMIF_GRACEFUL_TIMEOUT_S", 60),
         cache_dir=Path(env["SEMIF_CACHE_DIR"]) if env.get("SEMIF_CACHE_DIR") else None,
-        require_fast_kernels=parse_flag(
-            env, "SEMIF_REQUIRE_FAST_KERNELS", default=device != "cpu"
-        ),
+        require_fast_kernels=parse_flag(env, "SEMIF_REQUIRE_FAST_KERNELS", default=device != "cpu"),
         parallel_slots=parse_slot_count(env.get("SEMIF_PARALLEL_SLOTS")),
         models_file=env.get("SEMIF_MODELS_FILE") or None,
         queue_timeout_s=parse_seconds(env, "SEMIF_QUEUE_TIMEOUT_S"),
         admin_token=parse_admin_token(env.get("SEMIF_ADMIN_TOKEN")),
         max_loaded_models=parse_limit(env, "SEMIF_MAX_LOADED_MODELS", 0) or None,
-        memory_budget_gib=parse_gib(
-            env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"
-        ),
+        memory_budget_gib=parse_gib(env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"),
         header_timeout_s=parse_deadline(env, "SEMIF_HEADER_TIMEOUT_S", 10.0),
         body_timeout_s=parse_deadline(env, "SEMIF_BODY_TIMEOUT_S", 30.0),
         max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000),
+        prefix_cache_gib=parse_cache_gib(
+            env.get("SEMIF_PREFIX_CACHE_GIB"),
+            PREFIX_CACHE_GIB["cpu" if device == "cpu" else "cuda"],
+        ),
     )
 
 
@@ -148,6 +153,20 @@ def parse_gib(text: str | None, name: str) -> float | None:
         raise ConfigError(f"{name}: must be a number of GiB, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{name}: must be finite and > 0, got {text!r}")
+    return value
+
+
+def parse_cache_gib(text: str | None, default: float) -> float:
+    """Unset: `default`. Set: a number of GiB in [0, MAX_PREFIX_CACHE_GIB]; 0 turns it off."""
+    name = "SEMIF_PREFIX_CACHE_GIB"
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: must be a number of GiB, got {text!r}") from None
+    if not 0 <= value <= MAX_PREFIX_CACHE_GIB:  # also refuses nan and inf
+        raise ConfigError(f"{name}: must be in [0, {MAX_PREFIX_CACHE_GIB:g}] GiB, got {text!r}")
     return value
 
 

@@ -11,7 +11,8 @@ Both are raised *unchained*, after the failed call's frames are gone and `gc.col
 only then is the allocator cache emptied: a chained exception would keep the failed call's
 tensors alive (on the card, 11.9 GiB stayed allocated after a 503).
 After every successful call on a GPU, reserved memory more than 512 MiB over the post-warm-up
-baseline is handed back (`empty_cache`), so a burst does not keep the card's shared headroom.
+baseline plus the state-prefix cache's stored bytes is handed back (`empty_cache`), so a burst
+does not keep the card's shared headroom. Closing the engine drops the model's stored prefixes.
 
 torch is passed in (`torch_module`), so the policy is tested against a fake torch.
 """
@@ -40,6 +41,9 @@ class Scorer(Protocol):
     def model_info(self) -> dict[str, Any]: ...
     def score(self, row: Row) -> dict[str, Any]: ...
     def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+
+    # Optional: `cache_stats()` (the model's state-prefix cache figures, None when off),
+    # `held_bytes()` (bytes its cache keeps between calls) and `close()`.
 
 
 class Engine:
@@ -77,10 +81,18 @@ class Engine:
     def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return self._call(self._scorer.score_shared, rows)
 
+    def cache_stats(self) -> dict[str, int] | None:
+        """The model's state-prefix cache: hits, misses, evictions, bytes, entries (None: off)."""
+        stats = getattr(self._scorer, "cache_stats", None)
+        return None if stats is None else stats()
+
     def close(self) -> None:
         """Drop the model and hand its memory back; the engine serves nothing afterwards."""
         with self._lock:
-            self._scorer = None
+            scorer, self._scorer = self._scorer, None
+        if hasattr(scorer, "close"):
+            scorer.close()
+        del scorer
         gc.collect()
         self._empty_cache()
 
@@ -121,7 +133,9 @@ class Engine:
         if self.baseline_reserved is None:
             return
         reserved = self._torch.cuda.memory_reserved(self._device)
-        if reserved > self.baseline_reserved + RELEASE_MARGIN_BYTES:
+        held = getattr(self._scorer, "held_bytes", None)
+        kept = self.baseline_reserved + (held() if held is not None else 0)
+        if reserved > kept + RELEASE_MARGIN_BYTES:
             self._torch.cuda.empty_cache()
 
     def _empty_cache(self) -> None:

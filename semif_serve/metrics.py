@@ -1,4 +1,5 @@
-"""Prometheus metrics for one server process: requests, rejections, latency, model lifecycle.
+"""Prometheus metrics for one server process: requests, rejections, latency, model lifecycle,
+and each loaded model's state-prefix cache.
 
 Counters are fed by the HTTP middleware (requests) and by the runtime's event hook (loads,
 unloads, evictions, retirements); per-model gauges are read from the runtime at scrape time, so a
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 STATES = ("unloaded", "loading", "ready", "reconfiguring", "unloading")
@@ -64,6 +65,29 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _prefix_cache_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    """The state-prefix cache's figures per loaded model, keyed by their name in its stats."""
+    return {
+        "hits": CounterMetricFamily(
+            "semif_prefix_cache_hits",
+            "Calls that resumed from a stored state prefix",
+            labels=["model"],
+        ),
+        "misses": CounterMetricFamily(
+            "semif_prefix_cache_misses", "Lookups of a state prefix not stored", labels=["model"]
+        ),
+        "evictions": CounterMetricFamily(
+            "semif_prefix_cache_evictions", "Stored prefixes evicted for room", labels=["model"]
+        ),
+        "bytes": GaugeMetricFamily(
+            "semif_prefix_cache_bytes", "Tensor bytes of stored prefixes", labels=["model"]
+        ),
+        "entries": GaugeMetricFamily(
+            "semif_prefix_cache_entries", "Stored state prefixes", labels=["model"]
+        ),
+    }
+
+
 class _RuntimeCollector:
     """Per-model gauges, read from the runtime's status at scrape time."""
 
@@ -79,14 +103,19 @@ class _RuntimeCollector:
             "semif_model_queued_requests", "Requests waiting for the model", labels=["model"]
         )
         active = GaugeMetricFamily("semif_model_active_slots", "Slots in use", labels=["model"])
+        cache = _prefix_cache_families()
         for status in self._model_status():
             for name in STATES:
                 state.add_metric([status["id"], name], 1.0 if status["state"] == name else 0.0)
             queued.add_metric([status["id"]], status["queued_requests"])
             active.add_metric([status["id"]], status["active_slots"])
+            for name, family in cache.items():
+                if status.get("prefix_cache") is not None:
+                    family.add_metric([status["id"]], status["prefix_cache"][name])
         yield state
         yield queued
         yield active
+        yield from cache.values()
         in_flight = GaugeMetricFamily(
             "semif_requests_in_progress", "Scoring POSTs admitted (queued + scoring)"
         )

@@ -94,19 +94,24 @@ def configure_logging() -> None:
 def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None = None) -> Any:
     """The registry: SEMIF_MODELS_FILE's models, or the one `default` model of SEMIF_MODEL.
 
-    Without SEMIF_PARALLEL_SLOTS every engine shares one process-wide lock (INV-2)."""
+    Without SEMIF_PARALLEL_SLOTS every engine shares one process-wide lock (INV-2); every
+    engine shares one state-prefix cache of SEMIF_PREFIX_CACHE_GIB."""
     import threading
 
     from semif_serve.boot import build_engine, check_source
     from semif_serve.runtime.registry import Runtime
     from semif_serve.runtime.specs import default_spec, load_models_file
+    from semif_serve.scoring.prefix_cache import GIB, PrefixCache
 
     if settings.models_file:
         specs, default_id = load_models_file(settings.models_file, settings)
     else:
         specs, default_id = [default_spec(settings)], "default"
     shared_lock = threading.Lock() if settings.parallel_slots is None else None
-    factory = engine_factory or (lambda spec: build_engine(settings, spec, lock=shared_lock))
+    prefix_cache = PrefixCache(int(settings.prefix_cache_gib * GIB))  # one budget, every model
+    factory = engine_factory or (
+        lambda spec: build_engine(settings, spec, lock=shared_lock, prefix_cache=prefix_cache)
+    )
     # The real source check goes only with the real engines; tests' fake factories take any source.
     source_check = None if engine_factory else (lambda spec: check_source(settings, spec))
     return Runtime(settings, factory, specs, default_id, source_check=source_check)

@@ -39,6 +39,7 @@ class FakeScorer:
             self.release.set()
         self.active = 0
         self.max_active = 0
+        self.cache = None
         self._count_lock = threading.Lock()
 
     def model_info(self):
@@ -68,7 +69,13 @@ class FakeScorer:
             "readout": READOUTS["direct"],
             "summary": "fake",
             "probability_status": PROBABILITY_STATUS,
+            "cache_hit": False,
+            "prefix_sha256": "e" * 64,
         }
+
+    def cache_stats(self):
+        """What a real scorer's state-prefix cache reports (None: the cache is off)."""
+        return self.cache
 
     def _enter(self):
         with self._count_lock:

@@ -38,6 +38,7 @@ DEFAULTS = {
     "header_timeout_s": 10.0,
     "body_timeout_s": 30.0,
     "max_connections": 1000,
+    "prefix_cache_gib": 8.0,
 }
 
 # (variable, a valid value other than the default, field, what the field then holds)
@@ -64,6 +65,7 @@ ONE_VARIABLE = [
     ("SEMIF_HEADER_TIMEOUT_S", "2.5", "header_timeout_s", 2.5),
     ("SEMIF_BODY_TIMEOUT_S", "7", "body_timeout_s", 7.0),
     ("SEMIF_MAX_CONNECTIONS", "50", "max_connections", 50),
+    ("SEMIF_PREFIX_CACHE_GIB", "0", "prefix_cache_gib", 0.0),
 ]
 
 
@@ -105,6 +107,20 @@ def test_the_cpu_device_defaults_to_float32_and_does_not_require_fast_kernels():
         {"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu", "SEMIF_REQUIRE_FAST_KERNELS": "1"}
     )
     assert explicit.require_fast_kernels is True
+
+
+def test_the_prefix_cache_budget_defaults_by_device_and_takes_0_to_1024_gib():
+    cpu = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"})
+    gpu = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cuda:0"})
+    assert (cpu.prefix_cache_gib, gpu.prefix_cache_gib) == (1.0, 8.0)
+    for text, value in [("0", 0.0), ("0.25", 0.25), ("1024", 1024.0)]:
+        settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_PREFIX_CACHE_GIB": text})
+        assert settings.prefix_cache_gib == value
+    for text in ["-1", "1024.5", "nan", "inf", "", "1e400", "lots", "0x10"]:
+        with pytest.raises(config.ConfigError) as refused:
+            Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_PREFIX_CACHE_GIB": text})
+        assert str(refused.value).startswith("SEMIF_PREFIX_CACHE_GIB: ")
+        assert repr(text) in str(refused.value)
 
 
 def test_the_calibration_variable_loads_its_file(tmp_path):

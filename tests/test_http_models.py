@@ -68,9 +68,7 @@ def test_a_request_that_waits_past_its_timeout_is_503_server_busy_with_retry_aft
         assert holder.admitted.wait(10)
     # Without its timeout the request would queue forever (the server's own queue timeout is 0,
     # "no limit"), so it runs in a thread and must be answered within a bound.
-    call = Background(
-        lambda: api.simulate_post("/decide", json=row(timeout_s=0.05), headers=AUTH)
-    )
+    call = Background(lambda: api.simulate_post("/decide", json=row(timeout_s=0.05), headers=AUTH))
     try:
         answered = call.done.wait(5)
     finally:
@@ -88,6 +86,14 @@ def test_listing_models_needs_any_valid_token_and_changes_nothing():
     for headers in (AUTH, ADMIN_AUTH):
         models = api.simulate_get("/v1/models", headers=headers).json["models"]
         assert [(m["id"], m["state"]) for m in models] == [("a", "ready"), ("b", "unloaded")]
+
+
+def test_listing_models_shows_each_loaded_models_prefix_cache():
+    api, _, factory = client()
+    stats = {"hits": 2, "misses": 1, "evictions": 0, "bytes": 1024, "entries": 1}
+    factory.engines["a"].scorer.cache = stats
+    models = api.simulate_get("/v1/models", headers=AUTH).json["models"]
+    assert [(m["id"], m["prefix_cache"]) for m in models] == [("a", stats), ("b", None)]
 
 
 @pytest.mark.parametrize("admin_token", [ADMIN, None])

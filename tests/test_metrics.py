@@ -50,3 +50,29 @@ def test_unknown_paths_share_one_label():
         api.simulate_get(path, headers=AUTH)
     samples = scrape(api)
     assert samples[("semif_requests_total", (("route", "unmatched"), ("status", "404")))] == 3
+
+
+def test_each_loaded_models_prefix_cache_is_exported():
+    config = settings(parallel_slots=1)
+    factory = Factory()
+    rt = Runtime(config, factory, [spec("a", load_on_startup=True), spec("b")], "a")
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    rt.start(idle_interval_s=None)
+    factory.engines["a"].scorer.cache = {
+        "hits": 7,
+        "misses": 3,
+        "evictions": 1,
+        "bytes": 4096,
+        "entries": 2,
+    }
+    samples = scrape(api)
+    model_a = (("model", "a"),)
+    assert samples[("semif_prefix_cache_hits_total", model_a)] == 7
+    assert samples[("semif_prefix_cache_misses_total", model_a)] == 3
+    assert samples[("semif_prefix_cache_evictions_total", model_a)] == 1
+    assert samples[("semif_prefix_cache_bytes", model_a)] == 4096
+    assert samples[("semif_prefix_cache_entries", model_a)] == 2
+    # b is not loaded: no cache figures (not zeros that would read as a cold cache)
+    assert not [
+        key for key in samples if key[0].startswith("semif_prefix_cache") and key[1] != model_a
+    ]

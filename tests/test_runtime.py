@@ -308,6 +308,7 @@ def test_status_reports_every_field_and_reserves_nothing():
         "keep_alive_s": None,
         "last_used": None,
         "last_load_error": None,
+        "prefix_cache": None,
     }
     holder = Held(rt, "a")
     assert holder.admitted.wait(WAIT_S)

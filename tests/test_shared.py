@@ -22,6 +22,8 @@ RESULT_KEYS = {
     "readout",
     "summary",
     "probability_status",
+    "cache_hit",
+    "prefix_sha256",
 }
 TIMING_KEYS = {
     "total_seconds",

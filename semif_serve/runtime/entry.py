@@ -79,7 +79,13 @@ class ModelEntry:
                 "keep_alive_s": self.spec.keep_alive_s,
                 "last_used": self.last_used,
                 "last_load_error": self.last_load_error,
+                "prefix_cache": self._cache_stats(),
             }
+
+    def _cache_stats(self) -> dict[str, int] | None:
+        """The loaded model's state-prefix cache figures (None: not loaded, or the cache off)."""
+        stats = getattr(self.engine, "cache_stats", None)
+        return None if stats is None else stats()
 
     @property
     def is_idle(self) -> bool:

@@ -7,10 +7,15 @@ copied per row. `replicate_cache` (the fallback for models not on SDPA attention
 copied to n rows. `DynamicCache.batch_repeat_interleave` does not handle `LinearAttentionLayer`
 (Qwen3.5's Gated DeltaNet states), so the states are repeated here. The repeats are real copies:
 the linear-attention layers update their states in place.
+
+`working_copy` gives a call its own cache to consume over a prefix cache that must stay as it is
+(a stored state prefix, or one prefill shared by several suffix forwards); `cache_bytes` is what
+a cache holds.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
@@ -21,6 +26,50 @@ from semif_serve.scoring.prefix_attention import SharedPrefix, SuffixOnlyLayer
 def can_share_prefix(cache: Any) -> bool:
     """True when every layer is plain attention or linear attention (no sliding windows etc.)."""
     return all(_kind(layer) is not None for layer in cache.layers)
+
+
+def working_copy(cache: Any) -> Any:
+    """A cache a forward may consume, equal to `cache`, which stays unchanged: attention layers
+    share its tensors (they grow by concatenation, a new tensor each time), linear-attention
+    layers get clones of theirs (they update them in place). Only for `can_share_prefix` caches."""
+    twin = copy.copy(cache)
+    twin.layers = [_layer_copy(layer) for layer in cache.layers]
+    return twin
+
+
+def cache_bytes(cache: Any) -> int:
+    """The bytes of the tensors a cache holds (keys, values, conv and recurrent states)."""
+    total = 0
+    for layer in cache.layers:
+        if _kind(layer) == "attention":
+            tensors = [layer.keys, layer.values]
+        else:
+            tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+        total += sum(tensor.nbytes for tensor in tensors if tensor is not None)
+    return total
+
+
+LINEAR_FLAGS = (
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "conv_kernel_size",
+)
+
+
+def _layer_copy(layer: Any) -> Any:
+    twin = copy.copy(layer)
+    if _kind(layer) == "linear":
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name)
+            setattr(twin, name, {key: _clone(tensor) for key, tensor in states.items()})
+        for name in LINEAR_FLAGS:  # dicts the layer updates in place
+            setattr(twin, name, dict(getattr(layer, name)))
+    return twin
+
+
+def _clone(tensor: Any) -> Any:
+    return None if tensor is None else tensor.clone()
 
 
 def share_prefix(cache: Any, rows: int) -> SharedPrefix:

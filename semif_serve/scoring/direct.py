@@ -1,4 +1,8 @@
-"""The direct scorer: one row, one uncached forward, the letter logits at the last position."""
+"""The direct scorer: one row, one forward, the letter logits at the last position.
+
+With a state-prefix cache, a row whose state prefix is long enough runs as a shared call of one
+row (`shared.forward`), so that its prefill can be stored and reused.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,14 @@ from typing import Any
 
 import torch
 
+from semif_serve.scoring import shared
 from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.prompt import encode_prompt
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import Row, as_row
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
+from semif_serve.scoring.shared_prompts import encode_with_prefix
 
 
 def score(
@@ -20,21 +27,34 @@ def score(
     *,
     max_tokens: int,
     buckets: Buckets | None | str = AUTO,
+    prefix_cache: ModelPrefixCache | None = None,
 ) -> dict[str, Any]:
     """Score one SemIf row; raises ValueError (naming the field or guard) for a bad row.
 
     `buckets` (`shapes.AUTO`: on for CUDA models, off on the CPU) right-pads the prompt to its
-    length bucket; the result is the same (see `semif_serve.scoring.shapes`)."""
+    length bucket; the result is the same (see `semif_serve.scoring.shapes`). With a
+    `prefix_cache` and a state prefix long enough to cache, the row runs as the shared scorer
+    runs one row: its state prefix prefilled (or resumed from a stored prefill), then its
+    suffix; the result is the same within float rounding (see tests/test_prefix_cache.py)."""
     started = perf_counter()
     parsed = as_row(row)
-    prompt = encode_prompt(scoring_model.tokenizer, parsed, max_tokens)
     model = scoring_model.model
-    letter_ids = torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=model.device)
+    buckets = resolve(buckets, model.device)
+    if prefix_cache is None:
+        prompt, prefix_ids = encode_prompt(scoring_model.tokenizer, parsed, max_tokens), None
+    else:
+        prompt, prefix_ids = encode_with_prefix(scoring_model.tokenizer, parsed, max_tokens)
 
     forward_started = perf_counter()
-    with torch.inference_mode():
-        logits = last_logits(model, prompt.ids, resolve(buckets, model.device))
-        letter_logits = logits.float().index_select(0, letter_ids).cpu()
+    if prefix_ids is not None and prefix_cache.caches(len(prefix_ids)):
+        logits, timing = shared.forward(model, prefix_ids, [prompt], buckets, prefix_cache)
+        letter_logits, cache_hit = logits[0], timing["cache_hit"]
+    else:
+        letter_ids = torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=model.device)
+        with torch.inference_mode():
+            logits = last_logits(model, prompt.ids, buckets)
+            letter_logits = logits.float().index_select(0, letter_ids).cpu()
+        cache_hit = False
     forward_seconds = perf_counter() - forward_started
 
     return build_result(
@@ -45,7 +65,7 @@ def score(
         model=scoring_model.info.as_dict(),
         forward_seconds=forward_seconds,
         total_seconds=perf_counter() - started,
-    )
+    ) | {"cache_hit": cache_hit, "prefix_sha256": shared.state_prefix_sha256(parsed, prompt.text)}
 
 
 def last_logits(model: Any, ids: list[int], buckets: Buckets | None) -> torch.Tensor:

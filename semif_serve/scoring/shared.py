@@ -9,6 +9,8 @@
    with position ids continuing from the prefix and a mask over prefix + real suffix tokens;
    right padding keeps the recurrent layers exact (a row's real tokens never see its padding).
 4. Read each row's logits at its own last real token.
+With a `ModelPrefixCache` (`prefix_cache.py`), step 2 resumes from a stored prefill of the same
+prefix when there is one (`cache_hit`), and stores its own otherwise.
 With shape buckets (`shapes.py`; on for CUDA models by default) the prefill is cut down to a
 prefix bucket, suffixes and rows are padded to buckets, and big calls run in several suffix
 forwards, so that every forward has one of the shapes warm-up ran; the results are the same.
@@ -17,21 +19,28 @@ forwards, so that every forward has one of the shapes warm-up ran; the results a
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from time import perf_counter
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from semif_serve.scoring.cache import can_share_prefix, replicate_cache, share_prefix
+from semif_serve.scoring.cache import (
+    can_share_prefix,
+    replicate_cache,
+    share_prefix,
+    working_copy,
+)
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_attention
-from semif_serve.scoring.prompt import EncodedPrompt
+from semif_serve.scoring.prefix_cache import ModelPrefixCache
+from semif_serve.scoring.prompt import EncodedPrompt, prompt_sha256
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import Row
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
-from semif_serve.scoring.shared_prompts import encode_shared
+from semif_serve.scoring.shared_prompts import encode_shared, state_head_end
 
 SERVING_CONFIG = "native-state-prefix-parallel-v1"
 PACKED_CHUNK_TOKENS = 512
@@ -43,19 +52,25 @@ def score_shared(
     *,
     max_tokens: int,
     buckets: Buckets | None | str = AUTO,
+    prefix_cache: ModelPrefixCache | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Score rows that share one exact state; returns (results in row order, timing).
 
     `buckets` (`shapes.AUTO`: on for CUDA models, off on the CPU) gives every forward a
-    bucketed shape; the results are the same (see `semif_serve.scoring.shapes`)."""
+    bucketed shape; the results are the same (see `semif_serve.scoring.shapes`). With
+    `prefix_cache`, a stored prefill of the state prefix is reused (same results)."""
     started = perf_counter()
     parsed, prompts, prefix_ids = encode_shared(scoring_model.tokenizer, rows, max_tokens)
     encode_seconds = perf_counter() - started
 
     model = scoring_model.model
     letter_logits, forward_timing = forward(
-        model, prefix_ids, prompts, resolve(buckets, model.device)
+        model, prefix_ids, prompts, resolve(buckets, model.device), prefix_cache
     )
+    cache_fields = {
+        "cache_hit": forward_timing.pop("cache_hit"),
+        "prefix_sha256": state_prefix_sha256(parsed[0], prompts[0].text),
+    }
 
     model_block = {**scoring_model.info.as_dict(), "serving_config": SERVING_CONFIG}
     forward_seconds = forward_timing["prefill_seconds"] + forward_timing["suffix_forward_seconds"]
@@ -70,6 +85,7 @@ def score_shared(
             forward_seconds=forward_seconds,
             total_seconds=total_seconds,
         )
+        | cache_fields
         for row, prompt, logits in zip(parsed, prompts, letter_logits)
     ]
     padded_suffix_tokens = forward_timing.pop("padded_suffix_tokens")
@@ -86,21 +102,56 @@ def score_shared(
     return results, timing
 
 
+def state_prefix_sha256(row: Row, text: str) -> str | None:
+    """sha256 of the rendered prompt through the state (`{"evidence": <state>`), as SemIf's
+    serial prefix scorer reports it; None when the chat template changed the user message."""
+    end = state_head_end(row, text)
+    return None if end is None else prompt_sha256(text[:end])
+
+
 def forward(
-    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt], buckets: Buckets | None
+    model: Any,
+    prefix_ids: list[int],
+    prompts: list[EncodedPrompt],
+    buckets: Buckets | None,
+    prefix_cache: ModelPrefixCache | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """The forward stage: each prompt's letter logits (CPU) and the phase timings. Every prompt's
-    ids begin with `prefix_ids`. With `buckets`, only `buckets.prefix(len(prefix_ids))` of them
-    are prefilled (the rest start every suffix) and every forward has a bucketed shape."""
+    """The forward stage: each prompt's letter logits (CPU) and the phase timings (with
+    `cache_hit`). Every prompt's ids begin with `prefix_ids`. With `buckets`, only
+    `buckets.prefix(len(prefix_ids))` of them are prefilled (the rest start every suffix) and
+    every forward has a bucketed shape; with `prefix_cache`, that prefill may be a stored one."""
     if buckets is not None:
         prefix_ids = prefix_ids[: buckets.prefix(len(prefix_ids))]
     if is_pure_attention(model):
-        return _forward_packed(model, prefix_ids, prompts, buckets)
-    return _forward(model, prefix_ids, prompts, buckets)
+        return _forward_packed(model, prefix_ids, prompts, buckets, prefix_cache)
+    return _forward(model, prefix_ids, prompts, buckets, prefix_cache)
+
+
+@contextmanager
+def _prefilled(
+    base_model: Any,
+    config: Any,
+    prefix_ids: list[int],
+    prefix_cache: ModelPrefixCache | None,
+) -> Iterator[tuple[Any, bool]]:
+    """(the prefix's cache for the block to consume, whether it was stored before)."""
+
+    def prefill() -> Any:
+        return _prefill(base_model, config, prefix_ids, base_model.device)
+
+    if prefix_cache is None:
+        yield prefill(), False
+        return
+    with prefix_cache.resume(prefix_ids, prefill) as resumed:
+        yield resumed
 
 
 def _forward(
-    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt], buckets: Buckets | None
+    model: Any,
+    prefix_ids: list[int],
+    prompts: list[EncodedPrompt],
+    buckets: Buckets | None,
+    prefix_cache: ModelPrefixCache | None,
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """Prefill once; the suffixes as right-padded batches over it; letter logits per row (CPU).
 
@@ -119,12 +170,14 @@ def _forward(
     last_hidden = []
     layout_seconds = suffix_seconds = 0.0
     padded_tokens = 0
-    with torch.inference_mode():
-        prefill_started = perf_counter()
-        cache = _prefill(base_model, model.config, prefix_ids, device)
-        prefill_seconds = perf_counter() - prefill_started
+    started = perf_counter()
+    with (
+        torch.inference_mode(),
+        _prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit),
+    ):
+        prefill_seconds = perf_counter() - started
         for group in groups:
-            group_cache = copy.deepcopy(cache) if len(groups) > 1 else cache
+            group_cache = _group_copy(cache) if len(groups) > 1 else cache
             hidden, timing = _suffix_forward(
                 base_model, group_cache, group, prefix_length, sharing, buckets
             )
@@ -139,12 +192,18 @@ def _forward(
         suffix_seconds += perf_counter() - letters_started
     del cache, logits, last_hidden
     return letter_logits, {
+        "cache_hit": hit,
         "prefix_tokens": prefix_length,
         "prefill_seconds": prefill_seconds,
         "replicate_seconds": layout_seconds,
         "suffix_forward_seconds": suffix_seconds,
         "padded_suffix_tokens": padded_tokens,
     }
+
+
+def _group_copy(cache: Any) -> Any:
+    """A copy of the prefilled cache for one group of rows to consume."""
+    return working_copy(cache) if can_share_prefix(cache) else copy.deepcopy(cache)
 
 
 def _row_groups(suffixes: list[list[int]], buckets: Buckets | None) -> list[list[list[int]]]:
@@ -243,7 +302,11 @@ def is_pure_attention(model: Any) -> bool:
 
 
 def _forward_packed(
-    model: Any, prefix_ids: list[int], prompts: list[EncodedPrompt], buckets: Buckets | None
+    model: Any,
+    prefix_ids: list[int],
+    prompts: list[EncodedPrompt],
+    buckets: Buckets | None,
+    prefix_cache: ModelPrefixCache | None,
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """Attention-only models: suffixes packed into rows after ONE prefix cache, a chunk at a time.
 
@@ -263,9 +326,11 @@ def _forward_packed(
     output_embeddings = model.get_output_embeddings()
     last_hidden = []
     padded_tokens = 0
-    with torch.inference_mode():
-        prefill_started = perf_counter()
-        cache = _prefill(base_model, model.config, prefix_ids, device)
+    prefill_started = perf_counter()
+    with (
+        torch.inference_mode(),
+        _prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit),
+    ):
         prefix_layers = [(layer.keys, layer.values) for layer in cache.layers]
         suffix_started = perf_counter()
         for chunk in _chunks(suffixes, PACKED_CHUNK_TOKENS):
@@ -282,6 +347,7 @@ def _forward_packed(
         suffix_seconds = perf_counter() - suffix_started
     del cache, prefix_layers, hidden, logits
     return letter_logits, {
+        "cache_hit": hit,
         "prefix_tokens": prefix_length,
         "prefill_seconds": suffix_started - prefill_started,
         "replicate_seconds": 0.0,

@@ -63,6 +63,27 @@ def encode_shared(
     return parsed, prompts, shared_prefix(prefix_ids, prompts)
 
 
+def encode_with_prefix(
+    tokenizer: ChatTokenizer, row: Row, max_tokens: int
+) -> tuple[EncodedPrompt, list[int] | None]:
+    """One row's prompt, exactly as `encode_prompt` gives it (ids, guards, rejections), and its
+    state prefix (None when it cannot be located), the state tokenized once for both."""
+    try:
+        texts = render_all(tokenizer, [row])
+        head_end = state_head_end(row, texts[0])
+        ids, cut = encode_common(tokenizer, texts, len(texts[0]) if head_end is None else head_end)
+        prompt = guard_prompts(tokenizer, [row], texts, ids, max_tokens)[0]
+    except PromptRejected as error:
+        raise PromptRejected(str(error)) from None  # a direct rejection names no row index
+    if head_end is None:
+        return prompt, None
+    try:
+        prefix_ids = state_prefix_ids(tokenizer, row, texts[0], ids[0], cut)
+        return prompt, shared_prefix(prefix_ids, [prompt])
+    except PromptRejected:
+        return prompt, None
+
+
 def _parse_rows(rows: list[Row | dict]) -> list[Row]:
     parsed = []
     for index, row in enumerate(rows):

@@ -1,0 +1,165 @@
+"""The state-prefix cache: prefilled state prefixes kept across calls, within a byte budget.
+
+A call's state prefix is the token ids the shared scorer prefills (`shared_prompts`: the longest
+start every row's direct prompt provably has). Its entry is the transformers cache after that
+prefill: the attention layers' keys and values AND the linear-attention layers' conv and
+recurrent states at the prefix end, so a hit resumes hybrid models (Qwen3.5) exactly too. The key
+is the model's identity (source, revision, dtype, device) and those exact ids.
+
+Entries never change once stored: a call resumes from `cache.working_copy(entry)`. The budget
+counts the entries' real tensor bytes; the least recently used entries are evicted first, but
+never one that a running call holds (each use pins its entry). Prefixes shorter than
+`min_tokens` are not worth a lookup and are not cached. One `PrefixCache` serves the process;
+each loaded model uses it through its `ModelPrefixCache` view, which drops the model's entries
+when the model goes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from semif_serve.scoring.cache import cache_bytes, can_share_prefix, working_copy
+
+GIB = 1 << 30
+MIN_PREFIX_TOKENS = 128  # shorter prefixes cost less to prefill again than to store and copy
+COUNTERS = ("hits", "misses", "evictions")
+
+
+@dataclass
+class _Entry:
+    model: tuple
+    cache: Any
+    nbytes: int
+    pins: int = field(default=0)
+
+
+class PrefixCache:
+    """Stored state prefixes of every loaded model, least recently used first, within
+    `budget_bytes` (0: nothing is stored). Thread-safe: parallel slots share it."""
+
+    def __init__(self, budget_bytes: int, min_tokens: int = MIN_PREFIX_TOKENS):
+        self.budget_bytes = budget_bytes
+        self.min_tokens = min_tokens
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._counts: dict[tuple, Counter] = {}
+
+    def for_model(self, model: tuple) -> ModelPrefixCache:
+        """The view one loaded model uses; `model` is its identity (source, revision, ...)."""
+        return ModelPrefixCache(self, model)
+
+    def caches(self, prefix_length: int) -> bool:
+        """Whether a prefix of this many tokens is looked up and stored at all."""
+        return self.budget_bytes > 0 and prefix_length >= self.min_tokens
+
+    @contextmanager
+    def resume(
+        self, model: tuple, ids: list[int], prefill: Callable[[], Any]
+    ) -> Iterator[tuple[Any, bool]]:
+        """(a cache positioned after `ids` for the caller to consume, whether it was stored).
+
+        A miss runs `prefill()` and stores its cache when the budget allows; the entry the call
+        uses stays pinned until the block ends."""
+        if not self.caches(len(ids)):
+            yield prefill(), False
+            return
+        key = (model, tuple(ids))
+        entry = self._take(key)
+        hit = entry is not None
+        if entry is None:
+            prefilled = prefill()
+            entry = self._insert(key, prefilled) if can_share_prefix(prefilled) else None
+            if entry is None:  # not stored: the call consumes its own prefill
+                yield prefilled, False
+                return
+        try:
+            yield working_copy(entry.cache), hit
+        finally:
+            with self._lock:
+                entry.pins -= 1
+
+    def stats(self, model: tuple) -> dict[str, int]:
+        """hits, misses, evictions (since the process started), bytes and entries (now)."""
+        with self._lock:
+            counts = self._counts.get(model, Counter())
+            held = [entry for entry in self._entries.values() if entry.model == model]
+            return {
+                **{name: counts[name] for name in COUNTERS},
+                "bytes": sum(entry.nbytes for entry in held),
+                "entries": len(held),
+            }
+
+    @property
+    def total_bytes(self) -> int:
+        return self._bytes
+
+    def drop(self, model: tuple | None = None) -> int:
+        """Forget the entries of `model` (None: of every model) that no call holds, and the
+        held ones' places (their tensors go when their calls end); returns the bytes forgotten."""
+        with self._lock:
+            keys = [key for key, entry in self._entries.items() if model in (None, entry.model)]
+            return sum(self._remove(key) for key in keys)
+
+    def _take(self, key: tuple) -> _Entry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            self._count(key[0], "misses" if entry is None else "hits")
+            if entry is not None:
+                self._entries.move_to_end(key)
+                entry.pins += 1
+            return entry
+
+    def _insert(self, key: tuple, prefilled: Any) -> _Entry | None:
+        """Store `prefilled` pinned once, evicting unpinned least recently used entries to make
+        room; None when it cannot fit (nothing is evicted then) or another call stored it."""
+        nbytes = cache_bytes(prefilled)
+        with self._lock:
+            if key in self._entries:
+                return None
+            evictable = [k for k, entry in self._entries.items() if not entry.pins]
+            freeable = sum(self._entries[k].nbytes for k in evictable)
+            if self._bytes - freeable + nbytes > self.budget_bytes:
+                return None
+            for old in evictable:
+                if self._bytes + nbytes <= self.budget_bytes:
+                    break
+                self._count(old[0], "evictions")
+                self._remove(old)
+            entry = _Entry(model=key[0], cache=prefilled, nbytes=nbytes, pins=1)
+            self._entries[key] = entry
+            self._bytes += nbytes
+            return entry
+
+    def _remove(self, key: tuple) -> int:
+        entry = self._entries.pop(key)
+        self._bytes -= entry.nbytes
+        return entry.nbytes
+
+    def _count(self, model: tuple, name: str) -> None:
+        self._counts.setdefault(model, Counter())[name] += 1
+
+
+@dataclass(frozen=True)
+class ModelPrefixCache:
+    """One loaded model's view of the process-wide `PrefixCache`."""
+
+    store: PrefixCache
+    model: tuple
+
+    def caches(self, prefix_length: int) -> bool:
+        return self.store.caches(prefix_length)
+
+    def resume(self, ids: list[int], prefill: Callable[[], Any]):
+        return self.store.resume(self.model, ids, prefill)
+
+    def stats(self) -> dict[str, int]:
+        return self.store.stats(self.model)
+
+    def drop(self) -> int:
+        return self.store.drop(self.model)

@@ -1,0 +1,106 @@
+"""`TorchScorer`: the direct and shared scorers over one loaded model, as the engine drives them.
+
+It carries the server's max_tokens and the model's view of the process-wide state-prefix cache.
+An out-of-memory error in a call that the cache may have caused (entries were held) drops every
+entry no call is using and runs the call once more without the cache, so the cache never costs
+a 503 that a cold call would not have had; a second out-of-memory goes to the engine's policy.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from semif_serve.engine import is_out_of_memory
+from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
+from semif_serve.scoring.rows import Row
+
+log = logging.getLogger(__name__)
+
+
+class TorchScorer:
+    """The direct and shared scorers over one loaded model, with the server's max_tokens."""
+
+    def __init__(
+        self,
+        scoring_model: Any,
+        max_tokens: int,
+        prefix_cache: PrefixCache | None = None,
+        torch_module: Any = None,
+    ):
+        self.scoring_model = scoring_model
+        self._max_tokens = max_tokens
+        self._torch = torch_module
+        self.prefix_cache: ModelPrefixCache | None = None
+        if prefix_cache is not None and prefix_cache.budget_bytes > 0:
+            identity = scoring_model.info.identity()
+            self.prefix_cache = prefix_cache.for_model(tuple(sorted(identity.items())))
+
+    def model_info(self) -> dict[str, Any]:
+        return self.scoring_model.info.identity()
+
+    def score(self, row: Row) -> dict[str, Any]:
+        from semif_serve.scoring import score
+
+        return self._with_fallback(
+            lambda cache: score(
+                self.scoring_model, row, max_tokens=self._max_tokens, prefix_cache=cache
+            )
+        )
+
+    def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        from semif_serve.scoring import score_shared
+
+        return self._with_fallback(
+            lambda cache: score_shared(
+                self.scoring_model, rows, max_tokens=self._max_tokens, prefix_cache=cache
+            )
+        )
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """hits, misses, evictions, bytes and entries of this model's prefixes (None: cache off)."""
+        return None if self.prefix_cache is None else self.prefix_cache.stats()
+
+    def held_bytes(self) -> int:
+        """Bytes the state-prefix cache keeps between calls (every model's: one budget)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.store.total_bytes
+
+    def close(self) -> None:
+        """Forget this model's stored prefixes (the model is going)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop()
+
+    def _with_fallback(self, call: Callable[[ModelPrefixCache | None], Any]) -> Any:
+        cache = self.prefix_cache
+        try:
+            return call(cache)
+        except Exception as error:
+            if cache is None or not is_out_of_memory(error, self._torch_module()):
+                raise
+            if not cache.store.total_bytes:
+                raise  # nothing stored: a cold call would have failed the same way
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        # Outside the except block, so the failed call's frames (and tensors) are gone.
+        freed = cache.store.drop()
+        log.warning(
+            "out of memory with %d stored prefix bytes (%s): dropped them, scoring again "
+            "without the prefix cache",
+            freed,
+            message,
+        )
+        gc.collect()
+        self._empty_device_cache()
+        return call(None)
+
+    def _torch_module(self) -> Any:
+        if self._torch is None:
+            import torch
+
+            self._torch = torch
+        return self._torch
+
+    def _empty_device_cache(self) -> None:
+        if str(self.scoring_model.info.device).startswith("cuda"):
+            self._torch_module().cuda.empty_cache()
