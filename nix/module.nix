@@ -68,6 +68,7 @@ let
     }
     // optionalAttrs (cfg.hfCacheDir != null) { HF_HUB_CACHE = cfg.hfCacheDir; }
     // optionalAttrs (cfg.vramCapGib != null) { SEMIF_VRAM_CAP_GIB = toString cfg.vramCapGib; }
+    // optionalAttrs (cfg.prefixCacheGib != null) { SEMIF_PREFIX_CACHE_GIB = toString cfg.prefixCacheGib; }
     // optionalAttrs (cfg.maxTokens != null) { SEMIF_MAX_TOKENS = toString cfg.maxTokens; }
     // optionalAttrs (cfg.maxDecisions != null) { SEMIF_MAX_DECISIONS = toString cfg.maxDecisions; }
     // optionalAttrs (cfg.maxBodyBytes != null) { SEMIF_MAX_BODY_BYTES = toString cfg.maxBodyBytes; }
@@ -184,6 +185,16 @@ in
       default = null;
       example = 12;
       description = "SEMIF_VRAM_CAP_GIB: the share of the card this process may use (unset: uncapped).";
+    };
+
+    prefixCacheGib = mkOption {
+      type = types.nullOr (types.either types.ints.unsigned types.float);
+      default = null;
+      example = 16;
+      description = ''
+        SEMIF_PREFIX_CACHE_GIB: GiB of stored state prefixes (unset: the server's default, 8 on
+        a GPU; 0 turns the cache off). Counts against vramCapGib.
+      '';
     };
 
     maxTokens = mkOption {
