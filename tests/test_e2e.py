@@ -75,6 +75,32 @@ def test_decide_and_shared_with_rotations_on_the_real_model(tmp_path, builtin_ca
         )
         assert status == 422 and error["error"]["message"].startswith("max_tokens:")
 
+        # A state long enough for the state-prefix cache: the second question over it resumes.
+        long_state = {**STATE, "history": STATE["history"] * 30}
+        asked = [{**plain, "id": f"step{n}", "state": long_state} for n in range(2)]
+        asked[1]["question"] = "Is the reporter named?"
+        status, cold, _ = server.request("POST", "/decide", asked[0], AUTH)
+        assert status == 200 and cold["cache_hit"] is False, cold
+        status, warm, _ = server.request("POST", "/decide", asked[1], AUTH)
+        assert status == 200 and warm["cache_hit"] is True, warm
+        validate_reply("/decide", "POST", 200, warm)
+        assert warm["prefix_sha256"] == cold["prefix_sha256"] != direct["prefix_sha256"]
+        expected = smollm2_score(smollm2, asked[1])
+        assert warm["probabilities"] == pytest.approx(expected, abs=1e-5)
+        status, models, _ = server.request("GET", "/v1/models", None, AUTH)
+        cache = models["models"][0]["prefix_cache"]
+        assert (cache["hits"], cache["misses"], cache["entries"]) == (1, 1, 1) and cache[
+            "bytes"
+        ] > 0
+
+
+def smollm2_score(smollm2, body):
+    """The in-process direct scorer's probabilities for a /decide body (no cache)."""
+    from semif_serve.scoring import score
+
+    decision = {key: body[key] for key in ("id", "state", "question", "options")}
+    return score(smollm2, decision, max_tokens=4096)["probabilities"]
+
 
 def test_startup_fails_closed_when_the_model_cannot_load(tmp_path, builtin_cache):
     env = real_env(builtin_cache, SEMIF_MODEL=str(tmp_path / "no-such-model"))
@@ -157,4 +183,3 @@ def test_the_default_device_with_a_vram_cap_starts(tmp_path, builtin_cache, smol
         assert status == 200, body
     calls = [json.loads(line) for line in (control / "cuda-calls.jsonl").read_text().splitlines()]
     assert calls == [{"call": "fraction", "device": "cuda:0"}]
-
