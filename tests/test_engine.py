@@ -127,6 +127,43 @@ def test_after_a_call_memory_over_baseline_plus_512_mib_is_released_and_not_othe
     assert RELEASE_MARGIN_BYTES == 512 * MIB
 
 
+class Holding(Grows):
+    """A scorer whose state-prefix cache keeps `held` bytes between calls."""
+
+    def __init__(self, torch, after, held):
+        super().__init__(torch, after)
+        self.held, self.closed = held, 0
+
+    def held_bytes(self):
+        return self.held
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.mark.parametrize(
+    ("growth", "released"),
+    [(2 * GIB + RELEASE_MARGIN_BYTES, False), (2 * GIB + RELEASE_MARGIN_BYTES + 1, True)],
+)
+def test_bytes_the_prefix_cache_keeps_are_not_released_after_a_call(growth, released):
+    torch = FakeTorch()
+    torch.cuda.reserved = 7 * GIB
+    engine = gpu_engine(Holding(torch, 7 * GIB + growth, held=2 * GIB), torch)
+    engine.score_shared([ROW])
+    assert torch.cuda.empty_cache_calls == ([True] if released else [])
+
+
+def test_closing_the_engine_closes_its_scorer_once_and_then_serves_nothing():
+    torch = FakeTorch()
+    scorer = Holding(torch, 0, held=0)
+    scorer.cache = {"hits": 1, "misses": 0, "evictions": 0, "bytes": 0, "entries": 0}
+    engine = gpu_engine(scorer, torch)
+    assert engine.cache_stats() == scorer.cache
+    engine.close()
+    assert scorer.closed == 1 and engine.cache_stats() is None
+    assert torch.cuda.empty_cache_calls  # the memory went back too
+
+
 def test_the_cpu_engine_maps_oom_but_never_touches_cuda():
     class NoCuda:
         OutOfMemoryError = FakeTorch.OutOfMemoryError
