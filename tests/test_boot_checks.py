@@ -30,6 +30,8 @@ from semif_serve.boot import (
 )
 from semif_serve.errors import BadManagementRequest
 from semif_serve.runtime.specs import parse_spec
+from semif_serve.scoring import ModelInfo
+from semif_serve.scoring.prefix_cache import PrefixCache
 
 
 class FakeParameter:
@@ -102,7 +104,8 @@ def device_torch(**cuda):
 
 
 def scoring_model(**config):
-    return SimpleNamespace(model=FakeModel(**config), tokenizer=None, info=None)
+    info = ModelInfo(source="fake", revision="0", dtype="float32", device="cpu")
+    return SimpleNamespace(model=FakeModel(**config), tokenizer=None, info=info)
 
 
 class Loads:
@@ -384,6 +387,28 @@ def test_cpu_capacity_comes_from_the_memory_budget_and_the_attention_cache(warm_
     assert engine.max_parallel_slots == 7 and engine.resident_bytes == 5000
     engine = build_engine(settings(), torch_module=FakeTorch(), load=Loads(scoring_model()))
     assert engine.max_parallel_slots == 16
+
+
+def test_the_prefix_cache_budget_is_kept_out_of_the_slot_capacity(warm_up):
+    fake = FakeTorch(total=80 * GIB)
+    fake.cuda.reserved = 3 * GIB
+    warm_up.fake, warm_up.input_tokens, warm_up.peak = fake, 100, 100 * MIB  # 4 GiB a decision
+    config = gpu(vram_cap_gib=20.0, max_tokens=4096)
+    slots = [
+        build_engine(
+            config, torch_module=fake, load=Loads(scoring_model()), prefix_cache=PrefixCache(size)
+        ).max_parallel_slots
+        for size in (0, 8 * GIB, 9 * GIB, 30 * GIB)
+    ]
+    assert slots == [4, 2, 2, 1]  # (20 - cache - 3) // 4, at least one
+    cpu = settings(memory_budget_gib=1.0, max_tokens=65536)  # 128 MiB a decision (above)
+    engine = build_engine(
+        cpu,
+        torch_module=FakeTorch(),
+        load=Loads(scoring_model()),
+        prefix_cache=PrefixCache(GIB // 2),
+    )
+    assert engine.max_parallel_slots == 3  # (512 MiB - 5000 bytes of weights) // 128 MiB
 
 
 def test_capacity_is_what_fits_beside_the_model_as_one_to_sixteen_slots():
