@@ -54,6 +54,8 @@
       packages.${system} = {
         default = service;
         inherit bench;
+        # The OCI image deploy/k8s runs (`nix build .#image`, then load and push it).
+        image = pkgs.callPackage ./nix/image.nix { };
         # The builds this flake pins itself, to build (and debug) one at a time.
         inherit (python.pkgs)
           causal-conv1d
