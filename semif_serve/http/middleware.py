@@ -16,6 +16,7 @@ import falcon
 from semif_serve.errors import Unauthorized
 from semif_serve.metrics import Metrics
 from semif_serve.runtime.admission import InFlightLimit
+from semif_serve.state_key import STATE_KEY_HEADER
 
 access_log = logging.getLogger("semif_serve.access")
 CALLER_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII, bounded: safe to echo and log
@@ -68,7 +69,9 @@ def access_record(req: falcon.Request, status: int | None) -> dict:
 
 class RequestLog:
     """Gives every request an id (the caller's X-Request-Id when sane), logs one JSON line and
-    counts it in the metrics; `in_progress` holds each request until its response is ready."""
+    counts it in the metrics; `in_progress` holds each request until its response is ready.
+    The one place that adds the per-request reply headers, on successes and errors alike:
+    X-Request-Id, and X-Semif-State-Key when a resource accepted the request's state."""
 
     def __init__(
         self,
@@ -91,6 +94,9 @@ class RequestLog:
     def process_response(self, req, resp, resource, req_succeeded) -> None:
         self.in_progress.remove(req)
         resp.set_header("X-Request-Id", req.context.request_id)
+        key = req.context.get("state_key")
+        if key is not None:
+            resp.set_header(STATE_KEY_HEADER, key)
         record = access_record(req, resp.status_code)
         if req.context.get("error_code"):
             record["error"] = req.context.error_code

@@ -1,4 +1,8 @@
-"""The three endpoints. Each reads its body within the limit, asks the service, sends JSON."""
+"""The endpoints. Each reads its body within the limit, asks the service, sends JSON.
+
+A scoring request whose body holds a valid `state` gets that state's key in
+`req.context.state_key`, whatever happens next; `middleware.RequestLog` answers with it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from semif_serve.errors import ScoringFailed
 from semif_serve.http.body import read_json_object
 from semif_serve.metrics import CONTENT_TYPE, Metrics
 from semif_serve.runtime.service import DecisionService, Outcome
+from semif_serve.scoring.rows import InvalidRow, parse_state
+from semif_serve.state_key import state_key
 
 
 def send_json(resp: falcon.Response, body: dict) -> None:
@@ -41,7 +47,19 @@ class _Scoring:
         send_json(resp, outcome.body)
 
     def _body(self, req: falcon.Request) -> dict:
-        return read_json_object(req.env, self._max_body_bytes)
+        body = read_json_object(req.env, self._max_body_bytes)
+        req.context.state_key = accepted_state_key(body)
+        return body
+
+
+def accepted_state_key(body: dict) -> str | None:
+    """The key of the body's `state`; None when it has none the service accepts (missing, blank,
+    not finite, nested too deeply: the service's 422 then says why). A key the caller sent in
+    X-Semif-State-Key is never read: routers hash on it, the reply always carries the true one."""
+    try:
+        return state_key(parse_state(body["state"]))
+    except (KeyError, InvalidRow):
+        return None
 
 
 class Decide(_Scoring):

@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from semif_serve.scoring.rows import Row, RowError, state_json
+from semif_serve.scoring.rows import Row, RowError
+from semif_serve.state_key import state_json
 
 PROMPT_VERSION = "direct-options-v1"
 LETTERS = "ABCDEFGHIJKLMNOP"

@@ -6,10 +6,11 @@ failure is an `InvalidRow` (a ValueError) whose message starts with the field th
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from semif_serve.state_key import state_json
 
 MIN_OPTIONS = 2
 MAX_OPTIONS = 16
@@ -52,11 +53,6 @@ class Row:
         return state_json(self.state)
 
 
-def state_json(state: Any) -> str:
-    """The state as it appears in the prompt (json.dumps, ensure_ascii=False, key order kept)."""
-    return json.dumps(state, ensure_ascii=False)
-
-
 def as_row(row: Row | dict) -> Row:
     """A `Row` as it is, anything else through `parse_row`."""
     return row if isinstance(row, Row) else parse_row(row)
@@ -87,7 +83,12 @@ def _nonempty_string(obj: dict, key: str, field: str) -> str:
 def _state(obj: dict) -> Any:
     if "state" not in obj:
         raise InvalidRow("state: missing")
-    state = obj["state"]
+    return parse_state(obj["state"])
+
+
+def parse_state(state: Any) -> Any:
+    """Check a decision's `state` (a nonempty string, object or array of finite JSON values,
+    nested at most MAX_STATE_DEPTH levels) and return it; InvalidRow naming the field if not."""
     if isinstance(state, str):
         if not state.strip():
             raise InvalidRow("state: must be a nonempty string, object or array")
@@ -116,9 +117,7 @@ def _require_finite_json(state: Any, path: str) -> None:
         if not isinstance(value, (list, dict)):
             raise InvalidRow(f"{where}: not a JSON value ({_type_name(value)})")
         if depth > MAX_STATE_DEPTH:
-            raise InvalidRow(
-                f"state: nested deeper than {MAX_STATE_DEPTH} levels (at {where})"
-            )
+            raise InvalidRow(f"state: nested deeper than {MAX_STATE_DEPTH} levels (at {where})")
         if isinstance(value, list):
             items = [(item, f"{where}[{index}]") for index, item in enumerate(value)]
         else:
