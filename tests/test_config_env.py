@@ -89,9 +89,7 @@ def test_the_table_covers_every_field_of_settings():
 def test_each_variable_sets_its_own_field_and_nothing_else(variable, text, field, expected):
     settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, variable: text})
     assert getattr(settings, field) == expected
-    changed = {
-        name: value for name, value in fields(settings).items() if value != DEFAULTS[name]
-    }
+    changed = {name: value for name, value in fields(settings).items() if value != DEFAULTS[name]}
     # The device also chooses the dtype and the fast-kernel requirement (below).
     assert set(changed) == {field}
 
@@ -195,19 +193,21 @@ def test_the_queue_timeout_takes_zero_and_fractions(text, expected):
     assert Settings.from_env(env).queue_timeout_s == expected
 
 
-@pytest.mark.parametrize(("text", "accepted"), [("1", True), ("16", True), ("17", False), ("0", False)])
+@pytest.mark.parametrize(
+    ("text", "accepted"), [("1", True), ("16", True), ("17", False), ("0", False)]
+)
 def test_parallel_slots_are_1_to_16(text, accepted):
     env = {"SEMIF_API_TOKEN": TOKEN, "SEMIF_PARALLEL_SLOTS": text}
     if accepted:
         assert Settings.from_env(env).parallel_slots == int(text)
     else:
-        with pytest.raises(config.ConfigError, match=r"^SEMIF_PARALLEL_SLOTS: must be an integer 1..16"):
+        with pytest.raises(
+            config.ConfigError, match=r"^SEMIF_PARALLEL_SLOTS: must be an integer 1..16"
+        ):
             Settings.from_env(env)
 
 
 def test_a_bad_dtype_names_the_choices():
     with pytest.raises(config.ConfigError) as error:
         Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DTYPE": "fp8"})
-    assert str(error.value) == (
-        "SEMIF_DTYPE: must be one of float32, bfloat16, float16, got 'fp8'"
-    )
+    assert str(error.value) == ("SEMIF_DTYPE: must be one of float32, bfloat16, float16, got 'fp8'")

@@ -1,6 +1,7 @@
-"""The state-prefix cache: a hit scores what a fresh direct call scores (hybrid Qwen3.5 with
-the real vocabulary, SmolLM2), entries never change, the budget, LRU eviction, pins, unload and
-out-of-memory on insert; `prefix_sha256` as SemIf's serial scorer reports it."""
+"""The state-prefix cache on real models: a hit scores what a fresh direct call scores (hybrid
+Qwen3.5 with the real vocabulary, SmolLM2), entries never change, an entry's bytes, unload and
+out-of-memory on insert; `prefix_sha256` as SemIf's serial scorer reports it. The store itself
+(budget, LRU eviction, pins, models) is tested on hand-built caches in test_prefix_store.py."""
 
 from __future__ import annotations
 
@@ -11,12 +12,10 @@ import threading
 import pytest
 import torch
 from rows_factory import STATE, make_rows
-from transformers import DynamicCache
 
 from semif_serve.engine import Engine
 from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring import score, score_shared
-from semif_serve.scoring.cache import cache_bytes
 from semif_serve.scoring.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 from semif_serve.scoring.prompt import render
 from semif_serve.scoring.rows import as_row
@@ -25,7 +24,6 @@ from semif_serve.torch_scorer import TorchScorer
 TOLERANCE = 1e-5
 MAX_TOKENS = 4096
 MODEL = ("source", "test")
-OTHER_MODEL = ("source", "other")
 WAIT_S = 60
 
 
@@ -188,24 +186,7 @@ def test_prefix_sha256_is_the_rendered_prompt_through_the_state(qwen_tokenizer, 
     assert other["prefix_sha256"] != expected
 
 
-# -- the store: budget, LRU, pins, models ------------------------------------------------------
-
-
-def stored_prefix(tokens: int) -> DynamicCache:
-    """A prefill's cache of `tokens` tokens: one attention layer, 2 * tokens * 16 bytes."""
-    cache = DynamicCache()
-    cache.update(torch.ones(1, 1, tokens, 4), torch.ones(1, 1, tokens, 4), 0)
-    return cache
-
-
-def use(cache: PrefixCache, ids: list[int], tokens: int = 4, model=MODEL) -> bool:
-    """Resume after `ids` once (prefilling `tokens` tokens on a miss); whether it hit."""
-    with cache.resume(model, ids, lambda: stored_prefix(tokens)) as (_, hit):
-        return hit
-
-
 def test_bytes_are_the_tensors_real_bytes(tiny_qwen):
-    assert cache_bytes(stored_prefix(4)) == 2 * 4 * 4 * 4
     cache = PrefixCache(1 << 30, min_tokens=1)
     score(tiny_qwen, make_rows(1, 2)[0], max_tokens=MAX_TOKENS, prefix_cache=cache.for_model(MODEL))
     (entry,) = cache._entries.values()
@@ -213,91 +194,6 @@ def test_bytes_are_the_tensors_real_bytes(tiny_qwen):
     assert linear, "the tiny Qwen3.5 has linear-attention layers"
     expected = sum(tensor.nbytes for tensor in entry_tensors(entry.cache))
     assert cache.stats(MODEL)["bytes"] == expected == cache.total_bytes
-
-
-def test_least_recently_used_entries_are_evicted_first():
-    cache = PrefixCache(3 * 128, min_tokens=1)  # three 4-token entries of 128 bytes
-    for ids in ([1], [2], [3]):
-        assert not use(cache, ids)
-    assert use(cache, [1])  # 1 is now the most recently used; 2 the least
-    assert not use(cache, [4])
-    assert [use(cache, ids) for ids in ([1], [3], [4])] == [True, True, True]
-    assert not use(cache, [2])
-    assert cache.stats(MODEL) == {
-        "hits": 4,
-        "misses": 5,
-        "evictions": 2,
-        "bytes": 3 * 128,
-        "entries": 3,
-    }
-
-
-def test_an_entry_in_use_is_never_evicted():
-    cache = PrefixCache(2 * 128, min_tokens=1)
-    with cache.resume(MODEL, [1], lambda: stored_prefix(4)):
-        use(cache, [2])
-        use(cache, [3])  # evicts 2, not 1
-        assert not use(cache, [4], tokens=12)  # would need 1's room: not stored
-        assert cache.stats(MODEL)["entries"] == 2
-    assert [use(cache, [1]), use(cache, [3])] == [True, True]
-
-
-def test_an_entry_larger_than_the_room_is_not_stored_and_evicts_nothing():
-    cache = PrefixCache(2 * 128, min_tokens=1)
-    use(cache, [1])
-    use(cache, [2])
-    assert not use(cache, [9], tokens=12)  # 384 bytes > 256
-    assert not use(cache, [9], tokens=12)
-    assert cache.stats(MODEL) | {"misses": 0} == {
-        "hits": 0,
-        "misses": 0,
-        "evictions": 0,
-        "bytes": 256,
-        "entries": 2,
-    }
-
-
-def test_a_zero_budget_stores_and_counts_nothing():
-    cache = PrefixCache(0, min_tokens=1)
-    assert [use(cache, [1]), use(cache, [1])] == [False, False]
-    assert cache.stats(MODEL)["misses"] == 0 and cache.total_bytes == 0
-
-
-def test_models_never_share_an_entry_and_drop_only_their_own():
-    cache = PrefixCache(1 << 20, min_tokens=1)
-    use(cache, [1])
-    assert not use(cache, [1], model=OTHER_MODEL)
-    assert cache.drop(MODEL) == 128
-    assert cache.stats(MODEL)["entries"] == 0
-    assert use(cache, [1], model=OTHER_MODEL)
-    assert cache.total_bytes == 128
-
-
-def test_concurrent_misses_of_one_prefix_store_it_once():
-    cache = PrefixCache(1 << 20, min_tokens=1)
-    both_prefilling = threading.Barrier(2, timeout=WAIT_S)
-
-    def prefill():
-        both_prefilling.wait()
-        return stored_prefix(4)
-
-    def miss():
-        with cache.resume(MODEL, [7], prefill):
-            pass
-
-    threads = [threading.Thread(target=miss) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT_S)
-    assert not any(thread.is_alive() for thread in threads)
-    assert cache.stats(MODEL) | {"bytes": 0} == {
-        "hits": 0,
-        "misses": 2,
-        "evictions": 0,
-        "bytes": 0,
-        "entries": 1,
-    }
 
 
 # -- the model's scorer: unload and out-of-memory -----------------------------------------------
