@@ -1,0 +1,95 @@
+"""`AsyncClient`: `Client` for asyncio, the same calls, retries and errors, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from random import random as uniform
+from typing import Any, cast
+
+import httpx
+
+from semif_serve.client.errors import ApiError
+from semif_serve.client.retry import Attempts, RetryPolicy
+from semif_serve.client.sync import DEFAULT_URL
+from semif_serve.client.types import (
+    DecideReply,
+    DecideRequest,
+    Health,
+    ModelList,
+    SharedReply,
+    SharedRequest,
+)
+from semif_serve.client.wire import Call, describe, no_reply, prepare, reply_body, session_headers
+
+
+class AsyncClient:
+    """`async with AsyncClient(url, token) as client: await client.decide({...})`; see `Client`.
+    `sleep` is awaited (asyncio.sleep by default)."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        token: str | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        random: Callable[[], float] = uniform,
+    ):
+        self.policy = policy or RetryPolicy()
+        self._clock, self._sleep, self._random = clock, sleep, random
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=session_headers(token), transport=transport
+        )
+
+    @property
+    def base_url(self) -> str:
+        return str(self._http.base_url).rstrip("/")
+
+    async def health(self) -> Health:
+        return cast(Health, await self._call(prepare("GET", "/health")))
+
+    async def models(self) -> ModelList:
+        return cast(ModelList, await self._call(prepare("GET", "/v1/models")))
+
+    async def decide(self, request: DecideRequest) -> DecideReply:
+        return cast(DecideReply, await self._call(prepare("POST", "/decide", dict(request))))
+
+    async def decide_shared(self, request: SharedRequest) -> SharedReply:
+        call = prepare("POST", "/decide/shared", dict(request))
+        return cast(SharedReply, await self._call(call))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, call: Call) -> dict[str, Any]:
+        name = describe(call, self.base_url)
+        attempts = Attempts(self.policy, self._clock, self._random)
+        while True:
+            timeout_s = attempts.timeout_s()
+            try:
+                response = await self._http.request(
+                    call.method,
+                    call.path,
+                    content=call.content,
+                    headers=call.headers,
+                    timeout=timeout_s,
+                )
+            except httpx.RequestError as error:
+                raise no_reply(name, error, timeout_s) from error
+            try:
+                return reply_body(name, response)
+            except ApiError as error:
+                wait_s = attempts.wait_before_retry(error)
+                if wait_s is None:
+                    raise
+            await self._sleep(wait_s)

@@ -1,0 +1,94 @@
+"""Requests out and replies in, with no I/O: what `Client` and `AsyncClient` share.
+
+`prepare` turns a method, path and body into a `Call` (JSON bytes, the headers, the state key);
+`describe` names it in messages; `reply_body` turns an httpx response into the JSON object or
+the matching exception; `no_reply` turns a transport failure into `ConnectionFailed`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from semif_serve.client.errors import ApiError, ConnectionFailed, InvalidReply
+from semif_serve.client.retry import parse_retry_after
+from semif_serve.state_key import STATE_KEY_HEADER, state_key
+
+REQUEST_ID_HEADER = "X-Request-Id"  # the server's id for the request (http/middleware.py)
+SHOWN_BYTES = 200  # of a reply that is not the envelope
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    path: str
+    content: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def session_headers(token: str | None) -> dict[str, str]:
+    """Headers every request of one client carries."""
+    headers = {"Accept": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def prepare(method: str, path: str, body: dict[str, Any] | None = None) -> Call:
+    """The call for `body` as JSON; a body with a `state` also sends its X-Semif-State-Key.
+    A body that is not JSON (NaN, a set) raises ValueError or TypeError here, before sending."""
+    if body is None:
+        return Call(method, path)
+    content = json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    headers = {"Content-Type": "application/json"}
+    if "state" in body:
+        headers[STATE_KEY_HEADER] = state_key(body["state"])
+    return Call(method, path, content, headers)
+
+
+def describe(call: Call, base_url: str) -> str:
+    """How messages name a call: `POST http://127.0.0.1:8471/decide`."""
+    return f"{call.method} {base_url}{call.path}"
+
+
+def reply_body(name: str, response: httpx.Response) -> dict[str, Any]:
+    """The reply's JSON object; ApiError for an error status, InvalidReply for a success
+    without a JSON object. `name` is the call's `describe`."""
+    request_id = response.headers.get(REQUEST_ID_HEADER)
+    if response.is_success:
+        try:
+            body = json.loads(response.content)
+        except ValueError:
+            raise InvalidReply(name, response.status_code, request_id, "not JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidReply(name, response.status_code, request_id, "not a JSON object")
+        return body
+    code, message = _envelope(response.content)
+    retry_after = parse_retry_after(response.headers.get("Retry-After"), time.time)
+    raise ApiError(name, response.status_code, code, message, request_id, retry_after)
+
+
+def _envelope(content: bytes) -> tuple[str | None, str]:
+    """(code, message) of an error reply; (None, its start) when it is not the envelope."""
+    try:
+        error = json.loads(content)["error"]
+        code, message = error["code"], error["message"]
+        if isinstance(code, str) and isinstance(message, str):
+            return code, message
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None, content[:SHOWN_BYTES].decode("utf-8", "replace").strip() or "(empty reply)"
+
+
+def no_reply(name: str, error: httpx.RequestError, timeout_s: float) -> ConnectionFailed:
+    """The ConnectionFailed for a request that got no usable reply: unreachable, broken, out of
+    time."""
+    if isinstance(error, httpx.TimeoutException):
+        return ConnectionFailed(f"{name}: no reply within {timeout_s:g} s (the call's deadline)")
+    if isinstance(error, httpx.ConnectError):
+        return ConnectionFailed(f"{name}: cannot reach the server: {error}")
+    return ConnectionFailed(f"{name}: the connection failed: {type(error).__name__}: {error}")

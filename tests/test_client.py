@@ -1,0 +1,530 @@
+"""semif_serve.client: round trips, the error envelope and retries against the real server
+(tests/serve_fake.py under gunicorn), and an httpx MockTransport where a real server cannot give
+a status on demand. Time is a fake clock wherever the client would wait: no test sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from email.utils import formatdate
+
+import httpx
+import pytest
+from fakes import TOKEN, WAIT_S, decision, row
+from live_server import fake_server, free_port, wait_for_file
+
+from semif_serve.client import (
+    ApiError,
+    AsyncClient,
+    Client,
+    ConnectionFailed,
+    InvalidReply,
+    RetryPolicy,
+)
+from semif_serve.state_key import STATE_KEY_HEADER, state_key
+
+MODES = ["sync", "async"]
+URL = "http://semif.test"
+STATE = {"ticket": "Drucker im 3. Stock klemmt", "reporter": "Ana"}
+
+
+class FakeTime:
+    """A monotonic clock that moves only when the client sleeps; every sleep is recorded."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+def run(mode: str, action, *, url: str = URL, token: str | None = TOKEN, **options):
+    """`action(client)` on a Client, or awaited on an AsyncClient, closed afterwards."""
+    if mode == "sync":
+        with Client(url, token, **options) as client:
+            return action(client)
+
+    async def main():
+        async with AsyncClient(url, token, **options) as client:
+            return await action(client)
+
+    return asyncio.run(main())
+
+
+def timing(fake: FakeTime, mode: str, draw: float = 0.0) -> dict:
+    return {
+        "clock": fake,
+        "sleep": fake.sleep if mode == "sync" else fake.asleep,
+        "random": lambda: draw,
+    }
+
+
+# -- the real server ------------------------------------------------------------------------------
+
+
+class Recording(httpx.HTTPTransport):
+    """The real network, remembering each request, its reply and the local port it used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exchanges: list[tuple[httpx.Request, httpx.Response, int]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        self._remember(request, response)
+        return response
+
+    def _remember(self, request, response) -> None:
+        local = response.extensions["network_stream"].get_extra_info("client_addr")
+        self.exchanges.append((request, response, local[1]))
+
+
+class AsyncRecording(httpx.AsyncHTTPTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.exchanges: list[tuple[httpx.Request, httpx.Response, int]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        Recording._remember(self, request, response)
+        return response
+
+
+def recording(mode: str):
+    return Recording() if mode == "sync" else AsyncRecording()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with fake_server(tmp_path_factory.mktemp("client")) as live:
+        yield live
+
+
+def url_of(server) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+def access_records(server) -> dict[str, dict]:
+    """The server's JSON access-log lines, by request id."""
+    records = {}
+    for line in server.log_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            records[record["request_id"]] = record
+    return records
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_health_and_models_round_trip(server, mode):
+    async def both(client):  # an AsyncClient's calls, awaited in turn
+        return await client.health(), await client.models()
+
+    if mode == "sync":
+        health, models = run(mode, lambda c: (c.health(), c.models()), url=url_of(server))
+    else:
+        health, models = run(mode, both, url=url_of(server))
+    assert health["status"] == "ok" and health["max_decisions"] >= 1
+    assert health["model"]["source"] == "fake"
+    assert [model["id"] for model in models["models"]] == ["default"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_decide_sends_the_state_key_the_server_answers_with(server, mode):
+    transport = recording(mode)
+    body = row(state=STATE)
+    result = run(mode, lambda c: c.decide(body), url=url_of(server), transport=transport)
+    assert result["id"] == "r1" and result["option_ids"] == ["o0", "o1"]
+    assert abs(sum(result["probabilities"]) - 1) < 1e-9
+    ((request, response, _),) = transport.exchanges
+    assert request.headers[STATE_KEY_HEADER] == state_key(STATE)
+    assert response.headers[STATE_KEY_HEADER] == state_key(STATE)
+    assert request.headers["Authorization"] == f"Bearer {TOKEN}"
+    assert json.loads(request.content) == body
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_decide_shared_round_trips_in_request_order(server, mode):
+    transport = recording(mode)
+    body = {"state": STATE, "decisions": [decision("b"), decision("a", orderings="rotations")]}
+    reply = run(mode, lambda c: c.decide_shared(body), url=url_of(server), transport=transport)
+    assert [result["id"] for result in reply["results"]] == ["b", "a"]
+    assert "combined" in reply["results"][1] and "timing" in reply
+    ((request, response, _),) = transport.exchanges
+    assert request.headers[STATE_KEY_HEADER] == response.headers[STATE_KEY_HEADER]
+    assert response.headers[STATE_KEY_HEADER] == state_key(STATE)
+
+
+@pytest.mark.server
+def test_one_client_reuses_one_connection(server):
+    transport = Recording()
+    with Client(url_of(server), TOKEN, transport=transport) as client:
+        client.health()
+        client.decide(row())
+        client.models()
+    ports = {port for _, _, port in transport.exchanges}
+    assert len(transport.exchanges) == 3 and len(ports) == 1
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_a_wrong_token_is_an_api_error_401(server, mode):
+    fake = FakeTime()
+    with pytest.raises(ApiError) as caught:
+        run(mode, lambda c: c.models(), url=url_of(server), token="x" * 40, **timing(fake, mode))
+    error = caught.value
+    assert (error.status, error.code) == (401, "unauthorized")
+    assert error.message == "missing or wrong bearer token"
+    assert access_records(server)[error.request_id]["status"] == 401
+    assert fake.sleeps == []
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_a_422_carries_the_envelope_and_request_id_and_is_never_retried(server, mode):
+    fake, transport = FakeTime(), recording(mode)
+    body = row(options=("only one",))
+    with pytest.raises(ApiError) as caught:
+        run(mode, lambda c: c.decide(body), url=url_of(server), transport=transport,
+            **timing(fake, mode))  # fmt: skip
+    error = caught.value
+    assert (error.status, error.code) == (422, "invalid_request")
+    assert error.message == "options: must hold 2..16 items, got 1"
+    assert len(error.request_id) == 32
+    record = access_records(server)[error.request_id]
+    assert (record["status"], record["route"]) == (422, "/decide")
+    assert len(transport.exchanges) == 1 and fake.sleeps == []
+    assert "422 invalid_request: options" in str(error) and error.request_id in str(error)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_server_listening_is_connection_failed_and_not_retried(mode):
+    fake = FakeTime()
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionFailed, match="cannot reach the server"):
+        run(mode, lambda c: c.health(), url=url, **timing(fake, mode))
+    assert fake.sleeps == []
+
+
+class Blocker:
+    """One POST /decide to a gated fake server, held inside the scorer until released.
+    Each blocker closes the gate first, so one server serves one blocker after another."""
+
+    def __init__(self, gated):
+        server, self.control = gated
+        (self.control / "release").unlink(missing_ok=True)
+        entered = len(list(self.control.glob("entered-*")))
+        self.replies = []
+        self.thread = threading.Thread(
+            target=lambda: self.replies.append(
+                server.request("POST", "/decide", row(), {"Authorization": f"Bearer {TOKEN}"})
+            )
+        )
+        self.thread.start()
+        wait_for_file(self.control / f"entered-{entered + 1}")
+
+    def release(self) -> None:
+        (self.control / "release").touch()
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive() and self.replies[0][0] == 200
+
+
+@pytest.fixture(scope="module")
+def full_server(tmp_path_factory):
+    """A gated server that admits one POST at a time: a second one gets 429."""
+    folder = tmp_path_factory.mktemp("full")
+    with fake_server(folder, gated=True, SEMIF_MAX_QUEUE="1") as live:
+        yield live, folder / "control"
+
+
+@pytest.fixture(scope="module")
+def gated_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gated")
+    with fake_server(folder, gated=True) as live:
+        yield live, folder / "control"
+
+
+def releasing_sleep(blocker: Blocker, mode: str, sleeps: list[float]):
+    """A sleep that frees the server instead of waiting: the retry then finds it free."""
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        blocker.release()
+
+    async def asleep(seconds: float) -> None:
+        sleep(seconds)
+
+    return sleep if mode == "sync" else asleep
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_a_429_from_a_full_server_is_retried_after_its_retry_after(full_server, mode):
+    blocker, sleeps, transport = Blocker(full_server), [], recording(mode)
+    result = run(
+        mode, lambda c: c.decide(row(id="mine")), url=url_of(full_server[0]), transport=transport,
+        sleep=releasing_sleep(blocker, mode, sleeps), random=lambda: 0.0,
+    )  # fmt: skip
+    assert result["id"] == "mine"
+    assert sleeps == [1.0]  # the server's Retry-After: 1, above the first backoff (0.25 s)
+    statuses = [response.status_code for _, response, _ in transport.exchanges]
+    assert statuses == [429, 200]
+    assert transport.exchanges[0][1].headers["Retry-After"] == "1"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_a_503_server_busy_after_the_queue_timeout_is_retried(gated_server, mode):
+    blocker, sleeps, transport = Blocker(gated_server), [], recording(mode)
+    body = row(id="mine", timeout_s=0.2)  # waits 0.2 s for the held model, then 503
+    result = run(
+        mode, lambda c: c.decide(body), url=url_of(gated_server[0]), transport=transport,
+        sleep=releasing_sleep(blocker, mode, sleeps), random=lambda: 0.0,
+    )  # fmt: skip
+    assert result["id"] == "mine" and sleeps == [1.0]
+    first = transport.exchanges[0][1]
+    assert first.status_code == 503 and first.json()["error"]["code"] == "server_busy"
+    assert first.headers[STATE_KEY_HEADER] == state_key(body["state"])
+    assert [response.status_code for _, response, _ in transport.exchanges] == [503, 200]
+
+
+def test_the_client_imports_no_torch():
+    code = "import sys, semif_serve.client; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# -- statuses on demand: httpx.MockTransport -------------------------------------------------------
+
+
+def envelope(status: int, code: str, retry_after: str | None = None, **headers) -> httpx.Response:
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after
+    headers["X-Request-Id"] = f"id-{status}"
+    body = {"error": {"code": code, "message": f"{code} happened"}}
+    return httpx.Response(status, json=body, headers=headers)
+
+
+OK = {"id": "r1", "option_ids": ["o0", "o1"], "probabilities": [0.5, 0.5]}
+
+
+class Script:
+    """A MockTransport handler that answers from a list (the last answer repeats) and keeps
+    each request with the timeout the client gave it."""
+
+    def __init__(self, *answers: httpx.Response | Exception):
+        self.answers = list(answers)
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self)
+
+    def read_timeouts(self) -> list[float]:
+        return [request.extensions["timeout"]["read"] for request in self.requests]
+
+
+def decide_with(mode, script, fake, policy=None, draw=0.0, body=None):
+    return run(
+        mode, lambda c: c.decide(body or row()), transport=script.transport(),
+        policy=policy or RetryPolicy(), **timing(fake, mode, draw),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_429_then_success_waits_the_retry_after(mode):
+    fake, script = FakeTime(), Script(envelope(429, "busy", "2"), httpx.Response(200, json=OK))
+    assert decide_with(mode, script, fake) == OK
+    assert fake.sleeps == [2.0] and len(script.requests) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_without_retry_after_the_backoff_doubles_up_to_its_cap(mode):
+    fake = FakeTime()
+    script = Script(*[envelope(429, "busy")] * 5, httpx.Response(200, json=OK))
+    policy = RetryPolicy(initial_backoff_s=0.25, max_backoff_s=2.0, deadline_s=100)
+    assert decide_with(mode, script, fake, policy) == OK
+    assert fake.sleeps == [0.25, 0.5, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retry_after_is_a_floor_the_backoff_can_exceed_and_jitter_only_adds(mode):
+    fake = FakeTime()
+    script = Script(*[envelope(429, "busy", "1")] * 4, httpx.Response(200, json=OK))
+    policy = RetryPolicy(initial_backoff_s=0.5, max_backoff_s=8, jitter=0.5, deadline_s=100)
+    assert decide_with(mode, script, fake, policy, draw=0.5) == OK
+    # max(Retry-After 1, 0.5 * 2**n) * (1 + 0.5 * 0.5)
+    assert fake.sleeps == [1.25, 1.25, 2.5, 5.0]
+
+
+def test_an_http_date_retry_after_is_read_as_seconds_from_now():
+    fake = FakeTime()
+    later = formatdate(time.time() + 30, usegmt=True)
+    script = Script(envelope(429, "busy", later), httpx.Response(200, json=OK))
+    assert decide_with("sync", script, fake) == OK
+    assert 28 <= fake.sleeps[0] <= 30
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_deadline_stops_retries_and_raises_the_last_error(mode):
+    fake, script = FakeTime(), Script(envelope(429, "busy", "2"))
+    with pytest.raises(ApiError) as caught:
+        decide_with(mode, script, fake, RetryPolicy(deadline_s=5))
+    # Tried at 0, 2 and 4 s; a wait from 4 s would end at 6 s, past the deadline.
+    assert fake.sleeps == [2.0, 2.0] and len(script.requests) == 3
+    assert script.read_timeouts() == [5.0, 3.0, 1.0]  # each attempt gets the time left
+    assert (caught.value.status, caught.value.code) == (429, "busy")
+    assert caught.value.retry_after_s == 2.0 and caught.value.request_id == "id-429"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_wait_ending_exactly_at_the_deadline_is_not_attempted(mode):
+    fake, script = FakeTime(), Script(envelope(503, "server_busy", "5"))
+    with pytest.raises(ApiError):
+        decide_with(mode, script, fake, RetryPolicy(deadline_s=5))
+    assert fake.sleeps == [] and len(script.requests) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_503_server_busy_is_retried(mode):
+    fake = FakeTime()
+    script = Script(envelope(503, "server_busy", "1"), httpx.Response(200, json=OK))
+    assert decide_with(mode, script, fake) == OK
+    assert fake.sleeps == [1.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        (503, "out_of_memory"),
+        (503, "model_load_failed"),
+        (503, "insufficient_memory"),
+        (422, "invalid_request"),
+        (400, "bad_request"),
+        (404, "model_not_found"),
+        (408, "request_timeout"),
+        (500, "scoring_failed"),
+    ],
+)
+def test_other_errors_are_raised_at_once(mode, status, code):
+    fake, script = FakeTime(), Script(envelope(status, code, "1"), httpx.Response(200, json=OK))
+    with pytest.raises(ApiError) as caught:
+        decide_with(mode, script, fake)
+    assert (caught.value.status, caught.value.code) == (status, code)
+    assert caught.value.message == f"{code} happened"
+    assert caught.value.retry_after_s == 1.0  # there for a caller who decides to retry
+    assert fake.sleeps == [] and len(script.requests) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_proxy_error_page_without_the_envelope_keeps_its_status_and_text(mode):
+    page = httpx.Response(502, text="<html>502 Bad Gateway</html>")
+    fake, script = FakeTime(), Script(page)
+    with pytest.raises(ApiError) as caught:
+        decide_with(mode, script, fake)
+    assert (caught.value.status, caught.value.code, caught.value.request_id) == (502, None, None)
+    assert caught.value.message == "<html>502 Bad Gateway</html>"
+    assert len(script.requests) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_429_from_a_proxy_is_retried_too(mode):
+    fake = FakeTime()
+    script = Script(httpx.Response(429, text="slow down"), httpx.Response(200, json=OK))
+    assert decide_with(mode, script, fake) == OK
+    assert fake.sleeps == [0.25]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("content", [b"not json", b"[1, 2]"])
+def test_a_success_that_is_not_a_json_object_is_an_invalid_reply(mode, content):
+    fake, script = FakeTime(), Script(httpx.Response(200, content=content))
+    with pytest.raises(InvalidReply):
+        decide_with(mode, script, fake)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        (httpx.ConnectError("refused"), "cannot reach the server"),
+        (httpx.ReadTimeout("slow"), "no reply within 600 s"),
+        (httpx.RemoteProtocolError("closed"), "the connection failed: RemoteProtocolError"),
+    ],
+)
+def test_transport_failures_are_connection_failed_and_not_retried(mode, failure, message):
+    fake, script = FakeTime(), Script(failure, httpx.Response(200, json=OK))
+    with pytest.raises(ConnectionFailed, match=message):
+        decide_with(mode, script, fake)
+    assert fake.sleeps == [] and len(script.requests) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_requests_carry_the_token_json_and_the_state_key(mode):
+    script = Script(httpx.Response(200, json={"results": [], "timing": {}}))
+    body = {"state": "Die Tür ist offen 🚪", "decisions": [decision("a")]}
+    run(mode, lambda c: c.decide_shared(body), transport=script.transport())
+    (request,) = script.requests
+    assert (request.method, request.url.path) == ("POST", "/decide/shared")
+    assert request.headers["Authorization"] == f"Bearer {TOKEN}"
+    assert request.headers["Content-Type"] == "application/json"
+    assert request.headers[STATE_KEY_HEADER] == state_key(body["state"])
+    assert request.content == json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+def test_a_get_sends_no_body_and_no_state_key():
+    script = Script(httpx.Response(200, json={"models": []}))
+    run("sync", lambda c: c.models(), transport=script.transport(), token=None)
+    (request,) = script.requests
+    assert request.content == b"" and STATE_KEY_HEADER not in request.headers
+    assert "Authorization" not in request.headers
+
+
+def test_a_body_that_is_not_json_fails_before_sending():
+    script = Script(httpx.Response(200, json=OK))
+    with pytest.raises(ValueError):
+        run("sync", lambda c: c.decide(row(state=[float("nan")])), transport=script.transport())
+    assert script.requests == []
+
+
+def test_a_closed_client_sends_nothing():
+    script = Script(httpx.Response(200, json=OK))
+    with Client(URL, TOKEN, transport=script.transport()) as client:
+        client.health()
+    with pytest.raises(RuntimeError):
+        client.health()
+    assert len(script.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"deadline_s": 0},
+        {"deadline_s": float("inf")},
+        {"initial_backoff_s": 2, "max_backoff_s": 1},
+        {"jitter": 1.5},
+    ],
+)
+def test_a_policy_that_cannot_work_is_refused(policy):
+    with pytest.raises(ValueError):
+        RetryPolicy(**policy)
