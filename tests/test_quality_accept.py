@@ -18,10 +18,10 @@ from quality_fakes import (
 )
 
 from semif_serve.cli import main
+from semif_serve.client import ApiError, Client, RetryPolicy
 from semif_serve.errors import OutOfMemory
 from semif_serve.quality import accept as accept_module
 from semif_serve.quality.accept import Acceptance, AcceptInputs, rotated_descriptions
-from semif_serve.quality.client import ServiceClient, ServiceError
 from semif_serve.quality.labelled import ROW_KEYS, read_plain_rows
 from semif_serve.quality.vram import GIB, MemoryUnavailable, PeakSampler, suggested_cap_gib
 from semif_serve.scoring import parse_row
@@ -41,8 +41,8 @@ def reference_of(scorer, rows=ROWS):
 def run_checks(scorer, clock=None, reference=None, sampler=None, **settings):
     with ServedApp(scorer, **settings) as server:
         inputs = AcceptInputs(rows=ROWS, speed_rows=read_plain_rows(TICKET_21), reference=reference)
-        client = ServiceClient(server.url, TOKEN, timeout_s=10)
-        report = Acceptance(client, inputs, clock=clock, sampler=sampler).run()
+        with Client(server.url, TOKEN, policy=RetryPolicy(deadline_s=10)) as client:
+            report = Acceptance(client, inputs, clock=clock, sampler=sampler).run()
     return report, {check["name"]: check for check in report["checks"]}
 
 
@@ -326,10 +326,9 @@ def test_cli_exits_2_with_one_line_for_a_wrong_token_or_no_server(tmp_path, caps
     assert "cannot reach the server" in capsys.readouterr().err
 
 
-def test_a_server_error_reply_becomes_a_service_error_with_its_code():
-    with ServedApp(FakeScorer()) as server:
-        client = ServiceClient(server.url, TOKEN, timeout_s=10)
-        with pytest.raises(ServiceError) as caught:
+def test_a_server_error_reply_becomes_an_api_error_with_its_code():
+    with ServedApp(FakeScorer()) as server, Client(server.url, TOKEN) as client:
+        with pytest.raises(ApiError) as caught:
             client.decide({"id": "x"})
     assert caught.value.status == 422
     assert caught.value.code == "invalid_request"

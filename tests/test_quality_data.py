@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from semif_serve.scoring.rows import parse_row, state_json
+from semif_serve.scoring.rows import parse_row
+from semif_serve.state_key import state_json
 
 DATA = Path(__file__).resolve().parents[1] / "bench" / "data"
 FAMILIES = {

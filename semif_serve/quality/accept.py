@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from semif_serve.client import ApiError, Client, SemifError
 from semif_serve.quality.agreement import compare_runs
-from semif_serve.quality.client import ServiceClient, ServiceError
 from semif_serve.quality.vram import MemoryUnavailable, PeakSampler, suggested_cap_gib
-from semif_serve.scoring.rows import state_json
+from semif_serve.state_key import state_key
 
 TOLERANCE_BY_DTYPE = {"float32": 0.005, "float16": 0.03, "bfloat16": 0.06}
 DEFAULT_TOLERANCE = 0.005
@@ -59,7 +59,7 @@ class AcceptInputs:
 class Acceptance:
     def __init__(
         self,
-        client: ServiceClient,
+        client: Client,
         inputs: AcceptInputs,
         *,
         sampler: PeakSampler | None = None,
@@ -77,7 +77,7 @@ class Acceptance:
         self.floor: float | None = None  # the A-vs-A max gap, once the noise floor has run
 
     def run(self) -> dict[str, Any]:
-        """Every check, in order; a server that cannot be reached raises ServiceError."""
+        """Every check, in order; a server that cannot be reached raises SemifError."""
         self.health = self._client.health()
         model = self.health.get("model") or {}
         self.tolerance = self._inputs.tolerance or TOLERANCE_BY_DTYPE.get(
@@ -93,7 +93,7 @@ class Acceptance:
             self._guarded("vram", self.vram),
         ]
         return {
-            "url": self._client.url,
+            "url": self._client.base_url,
             "health": self.health,
             "rows": len(self._inputs.rows),
             "tolerance": self.tolerance,
@@ -104,7 +104,7 @@ class Acceptance:
     def _guarded(self, name: str, check: Callable[[], Check]) -> Check:
         try:
             return check()
-        except ServiceError as error:
+        except SemifError as error:
             return Check(name, "fail", f"request failed: {error}", "every request succeeds")
 
     # -- runs ------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class Acceptance:
         """Rows grouped by exact state, each group in /decide/shared calls of <= max_decisions."""
         groups: dict[str, list[dict[str, Any]]] = {}
         for row in self._inputs.rows:
-            groups.setdefault(state_json(row["state"]), []).append(row)
+            groups.setdefault(state_key(row["state"]), []).append(row)
         limit = int(self.health.get("max_decisions") or 1)
         calls = [
             group[start : start + limit]
@@ -289,7 +289,7 @@ class Acceptance:
         threshold = f"a ~{target}-token decision scores (no 503)"
         if not device.startswith("cuda"):
             return Check("vram", "skipped", f"server device is {device or 'unknown'}", threshold)
-        host = urlsplit(self._client.url).hostname
+        host = urlsplit(self._client.base_url).hostname
         if host not in LOCAL_HOSTS:
             return Check("vram", "skipped", f"server {host} is not on this host", threshold)
         words = self._words_for(target)
@@ -319,7 +319,7 @@ class Acceptance:
         second = self._client.decide(long_row(large))["input_tokens"]
         per_word = (second - first) / (large - small)
         if per_word <= 0:
-            raise ServiceError("input_tokens does not grow with the state; cannot size the input")
+            raise SemifError("input_tokens does not grow with the state; cannot size the input")
         return large + int((target - VRAM_MARGIN_TOKENS - second) / per_word)
 
     def _decide_long(self, words: int, target: int) -> dict[str, Any]:
@@ -327,11 +327,11 @@ class Acceptance:
         for _ in range(5):
             try:
                 return self._client.decide(long_row(words))
-            except ServiceError as error:
-                if error.status != 422 or "max_tokens" not in str(error):
+            except ApiError as error:
+                if error.status != 422 or "max_tokens" not in error.message:
                     raise
                 words = int(words * 0.97)
-        raise ServiceError(f"could not fit a ~{target}-token prompt under max_tokens")
+        raise SemifError(f"could not fit a ~{target}-token prompt under max_tokens")
 
 
 def now() -> float:

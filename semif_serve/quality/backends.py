@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from semif_serve.client import Client
 from semif_serve.decisions import averaged_result, expand
-from semif_serve.quality.client import ServiceClient
 from semif_serve.scoring import ScoringModel, parse_row, score, score_shared
 
 
@@ -26,11 +26,11 @@ class Backend(Protocol):
 class HttpBackend:
     """POST /decide, one row per request (orderings expand server-side into one shared call)."""
 
-    def __init__(self, client: ServiceClient):
+    def __init__(self, client: Client):
         self._client = client
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self._client.url, "model": self._client.health().get("model")}
+        return {"url": self._client.base_url, "model": self._client.health().get("model")}
 
     def decide(self, row: dict[str, Any], orderings: str) -> dict[str, Any]:
         body = row if orderings == "none" else {**row, "orderings": orderings}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,9 @@ class CommandError(Exception):
 def run_evaluate(args: argparse.Namespace) -> int:
     from semif_serve.quality import evaluate
 
-    def work() -> None:
+    def work(stack: ExitStack) -> None:
         rows = _labelled(args.data)
-        backend = _backend(args)
+        backend = _backend(args, stack)
         predictions = evaluate.decide_all(backend, rows, args.orderings)
         report = {
             "data": [str(path) for path in args.data],
@@ -51,9 +52,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from semif_serve.quality import calibrate
     from semif_serve.quality.evaluate import decide_all
 
-    def work() -> None:
+    def work(stack: ExitStack) -> None:
         rows = _labelled(args.data)
-        backend = _backend(args)
+        backend = _backend(args, stack)
         predictions = decide_all(backend, rows, ["none"])["none"]
         report = {
             "workload": args.workload,
@@ -78,7 +79,7 @@ def run_accept(args: argparse.Namespace) -> int:
 
     outcome: dict[str, Any] = {}
 
-    def work() -> None:
+    def work(stack: ExitStack) -> None:
         speed_rows = read_plain_rows(args.speed_rows)
         reference = read_results(args.reference) if args.reference else None
         inputs = AcceptInputs(
@@ -89,7 +90,7 @@ def run_accept(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
             max_speed_p50_s=args.max_speed_p50_s,
         )
-        report = Acceptance(_client(args), inputs).run()
+        report = Acceptance(stack.enter_context(_client(args)), inputs).run()
         print(table(report), end="")
         if args.out is not None:
             _write_json(args.out / "accept.json", report)
@@ -102,24 +103,26 @@ def run_accept(args: argparse.Namespace) -> int:
 
 
 def _guard(work) -> int:
-    """Run `work`; the expected failures become one line on stderr and exit status 2."""
+    """Run `work` with an ExitStack that closes what it opened (the HTTP client); the expected
+    failures become one line on stderr and exit status 2."""
     from semif_serve.builtin import BuiltinModelError
+    from semif_serve.client import SemifError
     from semif_serve.loading import ModelLoadError
     from semif_serve.quality.calibrate import CalibrationFileError
-    from semif_serve.quality.client import ServiceError
     from semif_serve.quality.labelled import LabelledDataError
 
     expected = (
         CommandError,
         LabelledDataError,
-        ServiceError,
+        SemifError,
         ModelLoadError,
         BuiltinModelError,
         CalibrationFileError,
         ValueError,  # data the statistics cannot use, e.g. perturbations without their sources
     )
     try:
-        work()
+        with ExitStack() as stack:
+            work(stack)
     except expected as error:
         print(f"semif-serve: error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_USAGE
@@ -133,14 +136,29 @@ def _labelled(paths: list[Path]):
 
 
 def _client(args: argparse.Namespace):
-    from semif_serve.quality.client import ServiceClient, read_token
+    """semif_serve.client over --url with --token-file; --timeout-s is each call's deadline."""
+    from semif_serve.client import Client, RetryPolicy
 
     if args.token_file is None:
         raise CommandError("--token-file is needed with --url")
-    return ServiceClient(args.url, read_token(args.token_file), args.timeout_s)
+    policy = RetryPolicy(deadline_s=args.timeout_s)
+    return Client(args.url, read_token(args.token_file), policy=policy)
 
 
-def _backend(args: argparse.Namespace):
+def read_token(path: Path) -> str:
+    """The bearer token stored in `path` (surrounding whitespace dropped)."""
+    try:
+        token = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        raise CommandError(f"token file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CommandError(f"cannot read token file {path}: {error}") from None
+    if not token:
+        raise CommandError(f"token file {path} is empty")
+    return token
+
+
+def _backend(args: argparse.Namespace, stack: ExitStack):
     """--url with --token-file, --model, or --results: exactly one of them."""
     from semif_serve.quality.backends import HttpBackend, LocalBackend, SavedResults
 
@@ -150,7 +168,7 @@ def _backend(args: argparse.Namespace):
             "give one of --url URL --token-file FILE, --model SOURCE or --results FILE"
         )
     if args.url is not None:
-        return HttpBackend(_client(args))
+        return HttpBackend(stack.enter_context(_client(args)))
     if args.results is not None:
         return SavedResults(args.results)
     from semif_serve.loading import load_model
