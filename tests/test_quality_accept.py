@@ -327,7 +327,8 @@ def test_cli_exits_2_with_one_line_for_a_wrong_token_or_no_server(tmp_path, caps
 
 
 def test_a_server_error_reply_becomes_an_api_error_with_its_code():
-    with ServedApp(FakeScorer()) as server, Client(server.url, TOKEN) as client:
+    policy = RetryPolicy(deadline_s=10)
+    with ServedApp(FakeScorer()) as server, Client(server.url, TOKEN, policy=policy) as client:
         with pytest.raises(ApiError) as caught:
             client.decide({"id": "x"})
     assert caught.value.status == 422
