@@ -148,7 +148,11 @@ def _add_server(parser: argparse.ArgumentParser, required: bool) -> None:
         help="file holding the bearer token" + ("" if required else " (default: %(default)s)"),
     )
     parser.add_argument(
-        "--timeout-s", type=float, default=600.0, help="per request (default: %(default)s)"
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="each call's deadline, retries of 429 and 503 server_busy included "
+        "(default: %(default)s)",
     )
 
 
