@@ -411,6 +411,24 @@ def test_the_prefix_cache_budget_is_kept_out_of_the_slot_capacity(warm_up):
     assert engine.max_parallel_slots == 3  # (512 MiB - 5000 bytes of weights) // 128 MiB
 
 
+def test_the_scorer_gets_the_process_wide_prefix_cache_and_the_engines_torch(warm_up):
+    cache, fake = PrefixCache(GIB), FakeTorch()
+    engine = build_engine(
+        settings(), torch_module=fake, load=Loads(scoring_model()), prefix_cache=cache
+    )
+    # the cache's OOM fallback must recognise this torch's out-of-memory errors
+    assert engine._scorer.prefix_cache.store is cache and engine._scorer._torch is fake
+    assert engine.cache_stats() == {
+        "hits": 0,
+        "misses": 0,
+        "evictions": 0,
+        "bytes": 0,
+        "entries": 0,
+    }
+    engine = build_engine(settings(), torch_module=fake, load=Loads(scoring_model()))
+    assert engine.cache_stats() is None
+
+
 def test_capacity_is_what_fits_beside_the_model_as_one_to_sixteen_slots():
     assert derive_capacity(10 * GIB, 4 * GIB, 2 * GIB) == 3
     assert derive_capacity(10 * GIB, 4 * GIB, 3 * GIB) == 2  # 2.0 exactly
