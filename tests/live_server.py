@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -87,6 +88,21 @@ class LiveServer:
             )
         finally:
             connection.close()
+
+
+def semif_serve_command() -> list[str]:
+    """`semif-serve serve` from this environment."""
+    return [shutil.which("semif-serve") or str(Path(sys.prefix) / "bin" / "semif-serve"), "serve"]
+
+
+def real_env(builtin_cache: Path, **extra: str) -> dict[str, str]:
+    """The environment of a real server on the built-in SmolLM2 on the CPU."""
+    return {
+        "SEMIF_MODEL": "builtin:smollm2-135m",
+        "SEMIF_DEVICE": "cpu",
+        "SEMIF_CACHE_DIR": str(builtin_cache),
+        **extra,
+    }
 
 
 def fake_server(tmp_path: Path, gated: bool = False, **env: str) -> LiveServer:

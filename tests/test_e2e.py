@@ -1,34 +1,17 @@
 """End to end: `semif-serve serve` under gunicorn with the real built-in SmolLM2 on the CPU."""
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from fakes import AUTH, row
-from live_server import LiveServer
+from live_server import LiveServer, real_env, semif_serve_command
 from openapi_check import validate_reply
 from rows_factory import STATE
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
-
-
-def semif_serve_command():
-    return [
-        shutil.which("semif-serve") or str(Path(__import__("sys").prefix) / "bin" / "semif-serve"),
-        "serve",
-    ]
-
-
-def real_env(builtin_cache, **extra):
-    return {
-        "SEMIF_MODEL": "builtin:smollm2-135m",
-        "SEMIF_DEVICE": "cpu",
-        "SEMIF_CACHE_DIR": str(builtin_cache),
-        **extra,
-    }
 
 
 def test_decide_and_shared_with_rotations_on_the_real_model(tmp_path, builtin_cache, smollm2):
