@@ -25,6 +25,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "deploy" / "nginx"
 INSTALL_TIMEOUT_S = 300
 START_TIMEOUT_S = 10
 STOP_TIMEOUT_S = 10
+LOG_TIMEOUT_S = 10
 LISTEN = "listen 8470;"
 HASH = "hash $semif_route consistent;"
 LOG_FORMAT = "$msec $http_x_semif_state_key $status [$upstream_addr] [$upstream_status]"
@@ -137,9 +138,16 @@ class Nginx:
             if (self.folder / name).exists()
         )
 
-    def access(self) -> list[Logged]:
-        lines = (self.folder / "access.log").read_text().splitlines()
-        return [parse_logged(line) for line in lines]
+    def access(self, expected: int) -> list[Logged]:
+        """The access log once it holds `expected` lines: nginx writes a request's line just
+        after its reply, so a caller that has every reply may still be ahead of the log."""
+        deadline = time.monotonic() + LOG_TIMEOUT_S
+        while True:
+            lines = (self.folder / "access.log").read_text().splitlines()
+            if len(lines) >= expected:
+                return [parse_logged(line) for line in lines]
+            assert time.monotonic() < deadline, f"{len(lines)} of {expected} requests logged"
+            time.sleep(0.01)
 
 
 def parse_logged(line: str) -> Logged:

@@ -107,11 +107,11 @@ def run_in_order(router: Nginx, asked: list[dict]) -> list[dict]:
     return results
 
 
-def replica_of_each_state(router: Nginx, since: float = 0.0) -> dict[str, Counter]:
+def replica_of_each_state(router: Nginx, requests: int) -> dict[str, Counter]:
+    """For each state key, how many of the router's first `requests` each replica answered."""
     served: dict[str, Counter] = defaultdict(Counter)
-    for line in router.access():
-        if line.at >= since:
-            served[line.state_key][line.upstreams[-1]] += 1
+    for line in router.access(requests):
+        served[line.state_key][line.upstreams[-1]] += 1
     return served
 
 
@@ -123,10 +123,10 @@ def test_one_state_reaches_one_replica_and_beats_round_robin_on_cache_hits(tmp_p
     ports = [server.port for server in replicas]
     with Nginx(tmp_path / "hashed", ports) as hashed:
         routed = run_in_order(hashed, workload("routed", seed=1))
-        served = replica_of_each_state(hashed)
+        served = replica_of_each_state(hashed, STATES * QUESTIONS)
     with Nginx(tmp_path / "round-robin", ports, hashed=False) as round_robin:
         spread = run_in_order(round_robin, workload("spread", seed=1))
-        spread_served = replica_of_each_state(round_robin)
+        spread_served = replica_of_each_state(round_robin, STATES * QUESTIONS)
 
     # nginx hashed on the key the client sent: the sha256 of each state's JSON.
     assert set(served) == {state_key(long_state(f"routed{s}")) for s in range(STATES)}
@@ -169,7 +169,7 @@ def test_killing_a_replica_mid_run_moves_its_states_and_loses_no_request(tmp_pat
         run_in_order(router, [request(name, 0) for name in names])
         home = {
             key: counts.most_common(1)[0][0]
-            for key, counts in replica_of_each_state(router).items()
+            for key, counts in replica_of_each_state(router, STATES).items()
         }
         victim_address = Counter(home.values()).most_common(1)[0][0]
         victim = next(s for s in replicas if victim_address == f"127.0.0.1:{s.port}")
@@ -223,7 +223,7 @@ def test_killing_a_replica_mid_run_moves_its_states_and_loses_no_request(tmp_pat
             killed_at = time.time()
             with changed:
                 assert changed.wait_for(all_answered, WAIT_S), "stalled after the kill"
-        log = router.access()
+        log = router.access(STATES + KILL_STREAM)
 
     # Nothing lost: every request has its own result or an error.
     assert set(done) | set(failed) == {body["id"] for body in asked}
