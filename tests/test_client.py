@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from semif_serve.client import (
     InvalidReply,
     RetryPolicy,
 )
+from semif_serve.client.retry import Attempts, parse_retry_after
 from semif_serve.state_key import STATE_KEY_HEADER, state_key
 
 MODES = ["sync", "async"]
@@ -436,6 +438,10 @@ def test_other_errors_are_raised_at_once(mode, status, code):
     assert caught.value.message == f"{code} happened"
     assert caught.value.retry_after_s == 1.0  # there for a caller who decides to retry
     assert fake.sleeps == [] and len(script.requests) == 1
+    assert caught.value.call == f"POST {URL}/decide"
+    assert str(caught.value) == (
+        f"POST {URL}/decide: {status} {code}: {code} happened (X-Request-Id: id-{status})"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -449,6 +455,26 @@ def test_a_proxy_error_page_without_the_envelope_keeps_its_status_and_text(mode)
     assert len(script.requests) == 1
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"error": {"code": "busy", "message": 5}}', '{"error": {"code": "busy", "message": 5}}'),
+        (b'{"error": {"code": null, "message": "m"}}', '{"error": {"code": null, "message": "m"}}'),
+        (b"", "(empty reply)"),
+        (b" \r\n ", "(empty reply)"),
+        (b"\xffBad Gateway", "\ufffdBad Gateway"),
+        # the first 200 bytes: 'x' and 99 two-byte characters, the 100th cut in half
+        (b"x" + "é".encode() * 150, "x" + "é" * 99 + "\ufffd"),
+    ],
+    ids=["message-not-text", "code-not-text", "empty", "blank", "not-utf8", "cut-at-200-bytes"],
+)
+def test_a_reply_that_is_not_the_envelope_is_shown_as_text(content, message):
+    fake, script = FakeTime(), Script(httpx.Response(502, content=content))
+    with pytest.raises(ApiError) as caught:
+        decide_with("sync", script, fake)
+    assert (caught.value.status, caught.value.code, caught.value.message) == (502, None, message)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_429_from_a_proxy_is_retried_too(mode):
     fake = FakeTime()
@@ -458,11 +484,18 @@ def test_a_429_from_a_proxy_is_retried_too(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("content", [b"not json", b"[1, 2]"])
-def test_a_success_that_is_not_a_json_object_is_an_invalid_reply(mode, content):
-    fake, script = FakeTime(), Script(httpx.Response(200, content=content))
-    with pytest.raises(InvalidReply):
+@pytest.mark.parametrize(
+    ("content", "detail"), [(b"not json", "not JSON"), (b"[1, 2]", "not a JSON object")]
+)
+def test_a_success_that_is_not_a_json_object_is_an_invalid_reply(mode, content, detail):
+    reply = httpx.Response(200, content=content, headers={"X-Request-Id": "id-7"})
+    fake, script = FakeTime(), Script(reply)
+    with pytest.raises(InvalidReply) as caught:
         decide_with(mode, script, fake)
+    error = caught.value
+    assert (error.call, error.status, error.request_id) == (f"POST {URL}/decide", 200, "id-7")
+    assert str(error) == f"POST {URL}/decide: 200: {detail} (X-Request-Id: id-7)"
+    assert fake.sleeps == [] and len(script.requests) == 1
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -489,6 +522,7 @@ def test_requests_carry_the_token_json_and_the_state_key(mode):
     (request,) = script.requests
     assert (request.method, request.url.path) == ("POST", "/decide/shared")
     assert request.headers["Authorization"] == f"Bearer {TOKEN}"
+    assert request.headers["Accept"] == "application/json"
     assert request.headers["Content-Type"] == "application/json"
     assert request.headers[STATE_KEY_HEADER] == state_key(body["state"])
     assert request.content == json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -500,6 +534,7 @@ def test_a_get_sends_no_body_and_no_state_key():
     (request,) = script.requests
     assert request.content == b"" and STATE_KEY_HEADER not in request.headers
     assert "Authorization" not in request.headers
+    assert request.headers["Accept"] == "application/json"
 
 
 def test_a_body_that_is_not_json_fails_before_sending():
@@ -518,15 +553,80 @@ def test_a_closed_client_sends_nothing():
     assert len(script.requests) == 1
 
 
+BACKOFF_RULE = "backoff: need 0 <= initial_backoff_s <= max_backoff_s"
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"deadline_s": 0}, "deadline_s: must be a positive number, got 0"),
+        ({"deadline_s": float("inf")}, "deadline_s: must be a positive number, got inf"),
+        ({"deadline_s": float("nan")}, "deadline_s: must be a positive number, got nan"),
+        ({"initial_backoff_s": 2, "max_backoff_s": 1}, BACKOFF_RULE),
+        ({"initial_backoff_s": -0.1}, BACKOFF_RULE),
+        ({"jitter": 1.5}, "jitter: must be within 0..1, got 1.5"),
+        ({"jitter": -0.1}, "jitter: must be within 0..1, got -0.1"),
+    ],
+)
+def test_a_policy_that_cannot_work_is_refused(policy, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        RetryPolicy(**policy)
+
+
 @pytest.mark.parametrize(
     "policy",
     [
-        {"deadline_s": 0},
-        {"deadline_s": float("inf")},
-        {"initial_backoff_s": 2, "max_backoff_s": 1},
-        {"jitter": 1.5},
+        {"deadline_s": 0.5},
+        {"initial_backoff_s": 0},
+        {"initial_backoff_s": 3, "max_backoff_s": 3},
+        {"jitter": 0},
+        {"jitter": 1},
     ],
 )
-def test_a_policy_that_cannot_work_is_refused(policy):
-    with pytest.raises(ValueError):
-        RetryPolicy(**policy)
+def test_a_policy_at_the_edge_of_its_ranges_is_accepted(policy):
+    accepted = RetryPolicy(**policy)
+    assert {name: getattr(accepted, name) for name in policy} == policy
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attempts_under_a_second_from_the_deadline_get_only_the_time_left(mode):
+    # A success after three 429s: a client that kept retrying past the deadline would get it.
+    fake = FakeTime()
+    script = Script(*[envelope(429, "busy")] * 3, httpx.Response(200, json=OK))
+    with pytest.raises(ApiError):
+        decide_with(mode, script, fake, RetryPolicy(deadline_s=1, initial_backoff_s=0.25))
+    # Tried at 0, 0.25 and 0.75 s; the next wait (1 s) would end past the deadline.
+    assert fake.sleeps == [0.25, 0.5]
+    assert script.read_timeouts() == [1.0, 0.75, 0.25]
+
+
+def test_past_the_deadline_the_time_left_is_zero():
+    fake = FakeTime()
+    attempts = Attempts(RetryPolicy(deadline_s=5), fake, lambda: 0.0)
+    fake.now = 7.0
+    assert attempts.timeout_s() == 0.0
+    assert attempts.wait_before_retry(ApiError("c", 429, "busy", "m", None)) is None
+
+
+NOW = 1_700_000_000.0  # a fixed wall clock for HTTP-dates
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (None, None),
+        ("3", 3.0),
+        (" 120 ", 120.0),
+        ("0", 0.0),
+        (formatdate(NOW + 30, usegmt=True), 30.0),
+        (formatdate(NOW - 30, usegmt=True), 0.0),  # a date in the past: come back now
+        ("Tue, 14 Nov 2023 22:13:20", None),  # no zone: not an HTTP-date
+        ("1.5", None),
+        ("-1", None),
+        ("٣", None),  # a digit, but not ASCII
+        ("soon", None),
+        ("", None),
+    ],
+)
+def test_retry_after_is_seconds_or_an_http_date(value, seconds):
+    assert parse_retry_after(value, lambda: NOW) == seconds
