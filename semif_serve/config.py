@@ -26,6 +26,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # CPU ~10 of SmolLM2's. At most MAX_PREFIX_CACHE_GIB (more is a typo: no card holds it).
 PREFIX_CACHE_GIB = {"cpu": 1.0, "cuda": 8.0}
 MAX_PREFIX_CACHE_GIB = 1024.0
+# Upper bounds of the integer limits: generous but finite, so a mistaken value (400 digits) is
+# refused at startup, naming the variable, instead of overflowing arithmetic downstream.
+MAX_TOKENS_LIMIT = 1 << 20  # models.toml's max_tokens has the same bound
+MAX_DECISIONS_LIMIT = 1 << 16
+MAX_BODY_BYTES_LIMIT = 1 << 30
+MAX_QUEUE_LIMIT = 4096  # each admitted request holds a worker thread
+MAX_LOADED_MODELS_LIMIT = 1024
+MAX_CONNECTIONS_LIMIT = 1 << 16
 
 
 class ConfigError(ValueError):
@@ -83,24 +91,26 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         device=device,
         dtype=dtype,
         vram_cap_gib=parse_gib(env.get("SEMIF_VRAM_CAP_GIB"), "SEMIF_VRAM_CAP_GIB"),
-        max_tokens=parse_limit(env, "SEMIF_MAX_TOKENS", 4096),
-        max_decisions=parse_limit(env, "SEMIF_MAX_DECISIONS", 64),
-        max_body_bytes=parse_limit(env, "SEMIF_MAX_BODY_BYTES", 1 << 20),
-        max_queue=parse_limit(env, "SEMIF_MAX_QUEUE", 32),
+        max_tokens=parse_limit(env, "SEMIF_MAX_TOKENS", 4096, MAX_TOKENS_LIMIT),
+        max_decisions=parse_limit(env, "SEMIF_MAX_DECISIONS", 64, MAX_DECISIONS_LIMIT),
+        max_body_bytes=parse_limit(env, "SEMIF_MAX_BODY_BYTES", 1 << 20, MAX_BODY_BYTES_LIMIT),
+        max_queue=parse_limit(env, "SEMIF_MAX_QUEUE", 32, MAX_QUEUE_LIMIT),
         calibration=load_calibration(env.get("SEMIF_CALIBRATION")),
         bind=parse_bind(env.get("SEMIF_BIND", DEFAULT_BIND)),
-        graceful_timeout_s=parse_limit(env, "SEMIF_GRACEFUL_TIMEOUT_S", 60),
+        graceful_timeout_s=parse_limit(env, "SEMIF_GRACEFUL_TIMEOUT_S", 60, int(MAX_WAIT_S)),
         cache_dir=Path(env["SEMIF_CACHE_DIR"]) if env.get("SEMIF_CACHE_DIR") else None,
         require_fast_kernels=parse_flag(env, "SEMIF_REQUIRE_FAST_KERNELS", default=device != "cpu"),
         parallel_slots=parse_slot_count(env.get("SEMIF_PARALLEL_SLOTS")),
         models_file=env.get("SEMIF_MODELS_FILE") or None,
         queue_timeout_s=parse_seconds(env, "SEMIF_QUEUE_TIMEOUT_S"),
         admin_token=parse_admin_token(env.get("SEMIF_ADMIN_TOKEN")),
-        max_loaded_models=parse_limit(env, "SEMIF_MAX_LOADED_MODELS", 0) or None,
+        max_loaded_models=(
+            parse_limit(env, "SEMIF_MAX_LOADED_MODELS", 0, MAX_LOADED_MODELS_LIMIT) or None
+        ),
         memory_budget_gib=parse_gib(env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"),
         header_timeout_s=parse_deadline(env, "SEMIF_HEADER_TIMEOUT_S", 10.0),
         body_timeout_s=parse_deadline(env, "SEMIF_BODY_TIMEOUT_S", 30.0),
-        max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000),
+        max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000, MAX_CONNECTIONS_LIMIT),
         prefix_cache_gib=parse_cache_gib(
             env.get("SEMIF_PREFIX_CACHE_GIB"),
             PREFIX_CACHE_GIB["cpu" if device == "cpu" else "cuda"],
@@ -121,17 +131,20 @@ def parse_token(token: str | None) -> str:
     return token
 
 
-def parse_limit(env: Mapping[str, str], name: str, default: int) -> int:
-    """An integer >= 1 written in ASCII digits (int() would also take ' 5', '٥' or '1_0')."""
+def parse_limit(env: Mapping[str, str], name: str, default: int, most: int) -> int:
+    """An integer in [1, most] written in ASCII digits (int() would also take ' 5', '٥' or
+    '1_0'). The upper bound keeps absurd values (400 digits) out of the arithmetic downstream."""
     text = env.get(name)
     if text is None:
         return default
-    if not re.fullmatch(r"[0-9]+", text):
-        raise ConfigError(f"{name}: must be an integer >= 1, got {text!r}")
-    value = int(text)
-    if value < 1:
-        raise ConfigError(f"{name}: must be an integer >= 1, got {text!r}")
-    return value
+    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= most:
+        raise ConfigError(f"{name}: must be an integer in [1, {most}], got {_shown(text)}")
+    return int(text)
+
+
+def _shown(text: str) -> str:
+    """A value for a message: its repr, cut after 40 characters."""
+    return repr(text) if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
 
 
 def parse_flag(env: Mapping[str, str], name: str, default: bool) -> bool:

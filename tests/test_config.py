@@ -46,7 +46,10 @@ def test_settings_are_frozen():
         ({"SEMIF_API_TOKEN": "k" * 32 + "\x00"}, "SEMIF_API_TOKEN: only visible ASCII"),
         ({"SEMIF_API_TOKEN": "k" * 32 + "é"}, "SEMIF_API_TOKEN: only visible ASCII"),
         ({"SEMIF_API_TOKEN": "k" * 32 + "\x7f"}, "SEMIF_API_TOKEN: only visible ASCII"),
-        ({"SEMIF_ADMIN_TOKEN": "k" * 31}, "SEMIF_ADMIN_TOKEN: must be at least 32 characters, got 31"),
+        (
+            {"SEMIF_ADMIN_TOKEN": "k" * 31},
+            "SEMIF_ADMIN_TOKEN: must be at least 32 characters, got 31",
+        ),
         ({"SEMIF_ADMIN_TOKEN": "k" * 32 + "\n"}, "SEMIF_ADMIN_TOKEN: only visible ASCII"),
         ({"SEMIF_VRAM_CAP_GIB": "0"}, "SEMIF_VRAM_CAP_GIB: must be finite and > 0"),
         ({"SEMIF_VRAM_CAP_GIB": "-1"}, "SEMIF_VRAM_CAP_GIB"),
@@ -80,20 +83,46 @@ def test_the_token_is_required():
         Settings.from_env({})
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "SEMIF_MAX_TOKENS",
-        "SEMIF_MAX_DECISIONS",
-        "SEMIF_MAX_BODY_BYTES",
-        "SEMIF_MAX_QUEUE",
-        "SEMIF_MAX_CONNECTIONS",
-    ],
-)
-@pytest.mark.parametrize("value", ["0", "-1", "1.5", "", " 5", "٥", "1_0", "ten"])
+# Every integer limit and its upper bound.
+LIMITS = {
+    "SEMIF_MAX_TOKENS": 1 << 20,
+    "SEMIF_MAX_DECISIONS": 1 << 16,
+    "SEMIF_MAX_BODY_BYTES": 1 << 30,
+    "SEMIF_MAX_QUEUE": 4096,
+    "SEMIF_GRACEFUL_TIMEOUT_S": 86400,
+    "SEMIF_MAX_LOADED_MODELS": 1024,
+    "SEMIF_MAX_CONNECTIONS": 1 << 16,
+}
+
+
+@pytest.mark.parametrize("name", LIMITS)
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "", " 5", "٥", "1_0", "ten", "1e3"])
 def test_every_limit_is_an_integer_of_at_least_one(name, value):
-    with pytest.raises(ConfigError, match=f"^{name}: must be an integer >= 1"):
+    with pytest.raises(ConfigError) as refused:
         settings(**{name: value})
+    assert str(refused.value) == f"{name}: must be an integer in [1, {LIMITS[name]}], got {value!r}"
+
+
+@pytest.mark.parametrize("name", LIMITS)
+def test_every_limit_takes_one_and_its_bound_and_refuses_one_more(name):
+    field = name.removeprefix("SEMIF_").lower()
+    assert getattr(settings(**{name: "1"}), field) == 1
+    assert getattr(settings(**{name: str(LIMITS[name])}), field) == LIMITS[name]
+    with pytest.raises(ConfigError, match=rf"^{name}: must be an integer in \[1, {LIMITS[name]}\]"):
+        settings(**{name: str(LIMITS[name] + 1)})
+
+
+def test_a_400_digit_limit_is_refused_and_shown_cut():
+    with pytest.raises(ConfigError) as refused:
+        settings(SEMIF_MAX_TOKENS="9" * 400)
+    assert str(refused.value) == (
+        f"SEMIF_MAX_TOKENS: must be an integer in [1, {1 << 20}], got "
+        f"{'9' * 40!r}... (400 characters)"
+    )
+    with pytest.raises(ConfigError, match=r", got '9{40}'$"):
+        settings(SEMIF_MAX_TOKENS="9" * 40)
+    with pytest.raises(ConfigError, match=r", got '9{40}'\.\.\. \(41 characters\)$"):
+        settings(SEMIF_MAX_TOKENS="9" * 41)
 
 
 def test_limits_and_cap_are_parsed():

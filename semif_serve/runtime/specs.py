@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from semif_serve.config import DEVICE_PATTERN, DTYPES, ConfigError
+from semif_serve.config import DEVICE_PATTERN, DTYPES, MAX_TOKENS_LIMIT, ConfigError
 
 MAX_SLOTS = 16
 # Bounds that keep absurd values out of the arithmetic downstream (a 400-digit max_tokens would
-# overflow boot's float capacity estimate; math.isfinite(10**400) itself raises).
-MAX_TOKENS_LIMIT = 1 << 20
+# overflow boot's float capacity estimate; math.isfinite(10**400) itself raises). max_tokens has
+# SEMIF_MAX_TOKENS's bound (config.MAX_TOKENS_LIMIT).
 MAX_KEEP_ALIVE_S = 30 * 24 * 3600
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_IDS = frozenset({"unload"})  # POST /v1/models/unload is the bulk call
