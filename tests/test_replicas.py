@@ -4,8 +4,8 @@ deploy/nginx/semif.conf, called through `semif_serve.client`.
 Asserted: every request about one state reaches one replica (>= 99%); over one interleaved
 workload, routing by X-Semif-State-Key gets more state-prefix cache hits than round-robin (each
 state misses once, on its one replica); killing one replica mid-run moves its states to the
-other, and no request is lost: each gets its result or an error, and errors come only from the
-calls the killed replica held. Run with `-s` to print the figures quoted in docs/deploy.md.
+other and loses no request: every call gets its own result, even those the killed replica held
+(nginx re-sends them). Run with `-s` to print the figures quoted in docs/deploy.md.
 """
 
 from __future__ import annotations
