@@ -162,7 +162,7 @@ def signal_replica(pids: list[int], signum: int) -> None:
 
 def test_killing_a_replica_mid_run_moves_its_states_and_loses_no_request(tmp_path, replicas):
     """The victim is frozen (SIGSTOP) first, so the calls it holds at the SIGKILL are known:
-    those started for its states and not finished. Only they may fail; nginx re-sends them."""
+    those started for its states and not finished. nginx re-sends them, so none of them fails."""
     with Nginx(tmp_path / "hashed", [server.port for server in replicas]) as router:
         # Learn where each state lives, and warm both caches.
         names = [f"kill{s}" for s in range(STATES)]
