@@ -25,6 +25,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def stop(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it is still running after `timeout_s`."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout_s)
+
+
 def wait_for_file(path: Path, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -60,13 +71,7 @@ class LiveServer:
                 time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(STOP_TIMEOUT_S)
+        stop(self.process, STOP_TIMEOUT_S)
         self.log.close()
 
     def log_text(self) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from live_server import free_port
+from live_server import free_port, stop
 
 RECIPE = Path(__file__).resolve().parents[1] / "deploy" / "nginx"
 INSTALL_TIMEOUT_S = 300
@@ -119,13 +118,7 @@ class Nginx:
                 time.sleep(0.02)
 
     def __exit__(self, *exc: object) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(STOP_TIMEOUT_S)
+        stop(self.process, STOP_TIMEOUT_S)
 
     @property
     def url(self) -> str:
