@@ -137,9 +137,21 @@ def parse_limit(env: Mapping[str, str], name: str, default: int, most: int) -> i
     text = env.get(name)
     if text is None:
         return default
-    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= most:
+    value = _counted(text, most)
+    if value is None:
         raise ConfigError(f"{name}: must be an integer in [1, {most}], got {_shown(text)}")
-    return int(text)
+    return value
+
+
+def _counted(text: str, most: int) -> int | None:
+    """`text` as an integer in [1, most] when it is ASCII digits, else None. The length is
+    checked before int(), which raises its own ValueError past 4,300 digits."""
+    if not re.fullmatch(r"[0-9]+", text):
+        return None
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(most)) or not 1 <= int(digits) <= most:
+        return None
+    return int(digits)
 
 
 def _shown(text: str) -> str:
@@ -219,9 +231,10 @@ def parse_deadline(env: Mapping[str, str], name: str, default: float) -> float:
 def parse_slot_count(text: str | None) -> int | None:
     if text is None:
         return None
-    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= 16:
-        raise ConfigError(f"SEMIF_PARALLEL_SLOTS: must be an integer 1..16, got {text!r}")
-    return int(text)
+    value = _counted(text, 16)
+    if value is None:
+        raise ConfigError(f"SEMIF_PARALLEL_SLOTS: must be an integer 1..16, got {_shown(text)}")
+    return value
 
 
 def parse_admin_token(token: str | None) -> str | None:

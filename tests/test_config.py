@@ -112,6 +112,20 @@ def test_every_limit_takes_one_and_its_bound_and_refuses_one_more(name):
         settings(**{name: str(LIMITS[name] + 1)})
 
 
+@pytest.mark.parametrize(
+    ("name", "field"),
+    [("SEMIF_MAX_QUEUE", "max_queue"), ("SEMIF_PARALLEL_SLOTS", "parallel_slots")],
+)
+def test_thousands_of_digits_are_read_or_refused_never_a_crash(name, field):
+    # int() raises its own ValueError past 4,300 digits: the length is checked first.
+    for text in ("9" * 5000, "0" * 5000):
+        with pytest.raises(
+            ConfigError, match=rf"^{name}: must be an integer .*\(5000 characters\)$"
+        ):
+            settings(**{name: text})
+    assert getattr(settings(**{name: "0" * 5000 + "7"}), field) == 7
+
+
 def test_a_400_digit_limit_is_refused_and_shown_cut():
     with pytest.raises(ConfigError) as refused:
         settings(SEMIF_MAX_TOKENS="9" * 400)
