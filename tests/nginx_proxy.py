@@ -30,10 +30,14 @@ HASH = "hash $semif_route consistent;"
 LOG_FORMAT = "$msec $http_x_semif_state_key $status [$upstream_addr] [$upstream_status]"
 
 
-def nginx_binary() -> str:
-    found = shutil.which("nginx") or next(
+def installed_nginx() -> str | None:
+    return shutil.which("nginx") or next(
         (path for path in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(path, os.X_OK)), None
     )
+
+
+def nginx_binary() -> str:
+    found = installed_nginx()
     if found:
         return found
     if not (Path("/etc/debian_version").exists() and shutil.which("apt-get")):
@@ -51,7 +55,10 @@ def nginx_binary() -> str:
         )
         if done.returncode != 0:
             pytest.skip(f"nginx is not installed and `{' '.join(command)}` failed: {done.stderr}")
-    return nginx_binary()
+    found = installed_nginx()
+    if found is None:
+        pytest.skip("nginx-light was installed, but no nginx binary is on PATH or in /usr/sbin")
+    return found
 
 
 @dataclass(frozen=True)
