@@ -65,6 +65,7 @@ class Settings:
     memory_budget_gib: float | None = None
     header_timeout_s: float = 10.0  # a request's line and headers must arrive within this
     body_timeout_s: float = 30.0  # and its body within this, counted from the end of the headers
+    write_timeout_s: float = 30.0  # a reply must be taken by the client within this
     max_connections: int = 1000  # open connections the worker holds; more wait in the backlog
     prefix_cache_gib: float = PREFIX_CACHE_GIB["cuda"]  # 0: no state-prefix cache
 
@@ -110,6 +111,7 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         memory_budget_gib=parse_gib(env.get("SEMIF_MEMORY_BUDGET_GIB"), "SEMIF_MEMORY_BUDGET_GIB"),
         header_timeout_s=parse_deadline(env, "SEMIF_HEADER_TIMEOUT_S", 10.0),
         body_timeout_s=parse_deadline(env, "SEMIF_BODY_TIMEOUT_S", 30.0),
+        write_timeout_s=parse_deadline(env, "SEMIF_WRITE_TIMEOUT_S", 30.0),
         max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000, MAX_CONNECTIONS_LIMIT),
         prefix_cache_gib=parse_cache_gib(
             env.get("SEMIF_PREFIX_CACHE_GIB"),

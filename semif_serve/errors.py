@@ -66,3 +66,8 @@ class InsufficientMemory(ServeError):
 
 class ModelLoadFailed(ServeError):
     """A model could not be loaded (bad weights, a failed warm-up); it serves nothing → 503."""
+
+
+class ClientGone(ServeError):
+    """The client closed its connection while its request waited: it is dropped unscored → 499
+    (nginx's "client closed request"; no one receives it, the access log and /metrics do)."""

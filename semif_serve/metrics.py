@@ -18,6 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 STATES = ("unloaded", "loading", "ready", "reconfiguring", "unloading")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+ABANDONED = "client_closed_request"  # the error code of a request dropped because its client left
 
 
 class Metrics:
@@ -50,6 +51,16 @@ class Metrics:
             ["model", "event"],
             registry=self.registry,
         )
+        self.abandoned = Counter(
+            "semif_requests_abandoned",
+            "Requests dropped unscored because their client closed the connection while waiting",
+            registry=self.registry,
+        )
+        self.replies_undelivered = Counter(
+            "semif_replies_undelivered",
+            "Replies the client did not take within SEMIF_WRITE_TIMEOUT_S, or reset before taking",
+            registry=self.registry,
+        )
         self.registry.register(_RuntimeCollector(model_status, in_flight))
 
     def observe_request(self, route: str, status: int, seconds: float, error: str | None) -> None:
@@ -57,6 +68,11 @@ class Metrics:
         self.latency.labels(route=route).observe(seconds)
         if error is not None:
             self.rejections.labels(reason=error).inc()
+        if error == ABANDONED:
+            self.abandoned.inc()
+
+    def reply_undelivered(self) -> None:
+        self.replies_undelivered.inc()
 
     def model_event(self, model_id: str, event: str) -> None:
         self.model_events.labels(model=model_id, event=event).inc()

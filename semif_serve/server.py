@@ -36,7 +36,9 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
     limits = ServingLimits(
         header_timeout_s=settings.header_timeout_s,
         body_timeout_s=settings.body_timeout_s,
+        write_timeout_s=settings.write_timeout_s,
         graceful_timeout_s=settings.graceful_timeout_s,
+        max_body_bytes=settings.max_body_bytes,
         cut_off=cut_off,
     )
     return {
@@ -49,6 +51,7 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
         "graceful_timeout": settings.graceful_timeout_s + MASTER_GRACE_MARGIN_S,
         "post_fork": lambda arbiter, worker: worker.configure(limits),
         "keepalive": 5,
+        "sendfile": False,  # the worker's event loop sends every reply (semif_serve/worker.py)
         "preload_app": False,
         "accesslog": None,  # semif_serve.access logs one JSON line per request instead
         "errorlog": "-",

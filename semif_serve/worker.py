@@ -10,11 +10,17 @@ stops answering (issue 13). This worker keeps gthread's pool and event loop but:
   request likewise;
 - bounds every body read of a request by SEMIF_BODY_TIMEOUT_S from the end of its head
   (http/body.py turns the timeout into a 408, a body ending early into a 400);
-- never waits for the unread body of a request the app answered without reading it;
-- lingers on closing connections inside the event loop instead of blocking it;
+- bounds the bytes a body takes on the wire (SEMIF_MAX_BODY_BYTES plus framing slack: a 413),
+  and sends `100 Continue` only when the app reads the body (after auth, route and size);
+- never waits for the unread body of a request the app answered without reading it, and says
+  `Connection: close` when it will close;
+- tells the app how to check that the client is still there (`semif.client_gone` in environ);
+- sends every reply from the event loop, within SEMIF_WRITE_TIMEOUT_S (semif_serve/replies.py),
+  and lingers on closing connections there too, never blocking a thread or the loop;
 - holds at most SEMIF_MAX_CONNECTIONS connections; more wait in the kernel's backlog;
 - on SIGTERM closes its listening sockets at once, and when SEMIF_GRACEFUL_TIMEOUT_S ends with
-  requests still inside the app, logs each, tells the master, and exits with EXIT_CUT_OFF.
+  requests still inside the app or replies still unsent, logs each, tells the master, and exits
+  with EXIT_CUT_OFF.
 """
 
 from __future__ import annotations
@@ -26,24 +32,28 @@ import math
 import os
 import resource
 import selectors
-import socket
 import sys
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from gunicorn import util as gunicorn_util
+from gunicorn.http import wsgi
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from semif_serve.http.errors import envelope
+from semif_serve.replies import STOP_IDLE_LINGER_S, ReplyLoop
+from semif_serve.sockets import (
+    CLIENT_GONE_KEY,
+    WIRE_SLACK_BYTES,
+    DeadlineSocket,
+    ReplyBuffer,
+    peer_gone,
+)
 
 HEAD_MAX_BYTES = 64 * 1024  # request line and headers together; past it a 431
 READ_BYTES = 8192  # one recv() of a head in the event loop
-STOP_IDLE_LINGER_S = 2.0  # on SIGTERM, an idle connection may still start one request (gthread's)
-CLOSE_LINGER_S = 2.0  # how long a closing connection waits for the peer's FIN (RFC 9112 9.6)
-CLOSE_DRAIN_BYTES = 64 * 1024  # what a closing connection reads and discards at most
 BODY_DRAIN_BYTES = 64 * 1024  # an unread body discarded to keep the connection alive, at most
 ACCEPT_PAUSE_S = 0.5  # out of file descriptors: stop accepting this long instead of spinning
 EXIT_CUT_OFF = 5  # the worker's (and `semif-serve serve`'s) status when requests were cut off
@@ -69,6 +79,15 @@ def write_envelope_error(sock, status_int: int, reason: str, message: str) -> No
     gunicorn_util.write_nonblock(sock, head.encode("latin-1") + body)
 
 
+def start_response(resp, status: str, headers: list, exc_info: Any = None) -> Any:
+    """The app's start_response. gunicorn drops hop-by-hop headers, so an app's
+    `Connection: close` (a body it stopped reading) marks the reply as closing here."""
+    for name, value in headers:
+        if name.lower() == "connection" and value.strip().lower() == "close":
+            resp.force_close()
+    return resp.start_response(status, headers, exc_info)
+
+
 @dataclass(frozen=True)
 class ServingLimits:
     """What the worker enforces, from Settings; `cut_off` is shared with the master process
@@ -76,7 +95,9 @@ class ServingLimits:
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
     graceful_timeout_s: float = 60.0
+    max_body_bytes: int | None = None  # None: no wire-byte budget for bodies
     cut_off: Any = None
 
 
@@ -94,43 +115,22 @@ def head_ready(head: bytes | bytearray, start: int = 0) -> bool:
     return False
 
 
-class DeadlineSocket:
-    """The client socket as gunicorn's request parser sees it: a recv() waits until `deadline`
-    (time.monotonic()) at most, then raises TimeoutError; once it has passed, only bytes that
-    already arrived are taken. Everything else goes to the socket itself."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.deadline: float | None = None
-
-    def recv(self, size: int) -> bytes:
-        if self.deadline is None:
-            return self.sock.recv(size)
-        self.sock.settimeout(max(self.deadline - time.monotonic(), 0.0))
-        try:
-            return self.sock.recv(size)
-        except BlockingIOError:  # a zero timeout: nothing had arrived
-            raise TimeoutError("the read deadline passed") from None
-        finally:
-            self.sock.settimeout(None)  # the response is written blocking, as gthread does
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.sock, name)
-
-
-class SemifWorker(ThreadWorker):
+class SemifWorker(ReplyLoop, ThreadWorker):
     """gthread with bounded reads and a reporting shutdown (see the module docstring).
 
     A connection is in exactly one place: `reading` (its head, in the event loop), a thread
-    (its request), or `closing` (lingering for the peer's FIN). Each in `reading` or `closing`
-    has a `deadline`; `next_expiry` is the soonest, so the loop sweeps only when one is due.
+    (its request), `writing` (its reply, in the event loop) or `closing` (lingering for the
+    peer's FIN). Each in `reading`, `writing` or `closing` has a `deadline`; `next_expiry` is the
+    soonest, so the loop sweeps only when one is due.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.limits = ServingLimits(graceful_timeout_s=self.cfg.graceful_timeout)
         self.reading: dict[TConn, None] = {}
+        self.writing: dict[TConn, None] = {}
         self.closing: dict[TConn, None] = {}
+        self.undelivered_at_stop = 0  # replies whose write deadline passed after SIGTERM
         self.next_expiry = math.inf
         self.accept_resumes_at = 0.0
 
@@ -171,22 +171,22 @@ class SemifWorker(ThreadWorker):
         self.next_expiry = min(self.next_expiry, deadline)
 
     def expire(self) -> None:
-        """Close heads and lingering closes past their deadline (a head is closed unanswered)."""
+        """Close heads, replies and lingering closes past their deadline (a head is closed
+        unanswered; a reply's connection is reset and reported)."""
         now = time.monotonic()
         if now < self.next_expiry:
             return
         soonest = math.inf
-        for conn in list(self.reading):
-            if conn.deadline <= now:
-                self.stop_reading(conn)
-                self.drop(conn)
-            else:
-                soonest = min(soonest, conn.deadline)
-        for conn in list(self.closing):
-            if conn.deadline <= now:
-                self.end_closing(conn)
-            else:
-                soonest = min(soonest, conn.deadline)
+        for waiting, on_expiry in (
+            (self.reading, self.abandon_head),
+            (self.writing, partial(self.undelivered, why="SEMIF_WRITE_TIMEOUT_S passed")),
+            (self.closing, self.end_closing),
+        ):
+            for conn in list(waiting):
+                if conn.deadline <= now:
+                    on_expiry(conn)
+                else:
+                    soonest = min(soonest, conn.deadline)
         self.next_expiry = soonest
 
     def accept(self, listener) -> None:
@@ -223,8 +223,7 @@ class SemifWorker(ThreadWorker):
         except OSError:
             data = b""
         if not data:  # the peer closed (or reset) before a whole head arrived
-            self.stop_reading(conn)
-            self.drop(conn)
+            self.abandon_head(conn)
             return
         if conn.idle:  # the first byte of a kept-alive connection's next request
             conn.idle = False
@@ -250,6 +249,10 @@ class SemifWorker(ThreadWorker):
         self.close_gracefully(conn)
         return True
 
+    def abandon_head(self, conn: TConn) -> None:
+        self.stop_reading(conn)
+        self.drop(conn)
+
     def stop_reading(self, conn: TConn) -> None:
         if conn in self.reading:
             del self.reading[conn]
@@ -259,7 +262,7 @@ class SemifWorker(ThreadWorker):
 
     def handle(self, conn: TConn):
         """Serve one request whose head the event loop read: give the parser those bytes and
-        a socket whose reads end at the body deadline."""
+        a socket whose reads end at the body deadline and at the body's wire-byte budget."""
         conn.sock.setblocking(True)
         conn.init()  # plain HTTP/1.1: only creates the parser
         unreader = conn.parser.unreader
@@ -267,77 +270,62 @@ class SemifWorker(ThreadWorker):
             unreader.sock = DeadlineSocket(unreader.sock)
         unreader.unread(bytes(conn.head))
         conn.head = None
-        unreader.sock.deadline = time.monotonic() + self.limits.body_timeout_s
+        limit = self.limits.max_body_bytes
+        unreader.sock.start_request(
+            time.monotonic() + self.limits.body_timeout_s,
+            None if limit is None else limit + WIRE_SLACK_BYTES,
+        )
         return super().handle(conn)
 
-    def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
-        """Keep the connection only when the rest of an unread body has already arrived
-        (gthread waits up to 5 s for it, holding a thread, e.g. for a dripping GET body)."""
-        if not keepalive:
-            return False
-        conn.parser.unreader.sock.deadline = time.monotonic()  # take only what is here
-        return bool(conn.parser.finish_body(max_bytes=BODY_DRAIN_BYTES))
-
-    def finish_request(self, conn: TConn, future: Future) -> None:
-        """Back on the loop: wait for the next request on a kept-alive connection, else close."""
+    def handle_request(self, req, conn: TConn) -> bool:
+        """Run the app for one request (on a thread) and keep its reply in `conn.reply` for the
+        event loop to send (`send_reply`). `100 Continue` is sent only when the app reads the
+        body. Before the reply's head is written, the connection is marked to close when the
+        app said `Connection: close`, or left the body unread and its rest has not arrived (a
+        401 or 413 before an upload). Returns whether the connection may serve another request.
+        """
+        conn.reader = conn.parser.unreader.sock
+        conn.reader.continue_pending = req._expected_100_continue
+        req._expected_100_continue = False  # else gunicorn sends it before the app runs
+        conn.reply, conn.reply_id = ReplyBuffer(), None
         try:
-            keep = bool(not future.cancelled() and future.result())
-            if keep:
-                conn.sock.setblocking(False)
-                pending = conn.parser.unreader.take_buffered()  # a pipelined request's start
-        except Exception:
-            keep = False
-        if not keep:
-            self.close_gracefully(conn)
-            return
-        now = time.monotonic()
-        if pending:
-            deadline = now + self.limits.header_timeout_s
-        else:
-            deadline = now + self.cfg.keepalive
+            resp, environ = wsgi.create(req, conn.reply, conn.client, conn.server, self.cfg)
+            environ["wsgi.multithread"] = True
+            environ[CLIENT_GONE_KEY] = partial(peer_gone, conn.sock)
             if not self.alive:
-                deadline = min(deadline, now + STOP_IDLE_LINGER_S)
-        self.await_head(conn, pending, deadline, idle=not pending)
-
-    # Closing, in the event loop -----------------------------------------------------------
-
-    def close_gracefully(self, conn: TConn) -> None:
-        """gunicorn's util.close_graceful without blocking the loop: send FIN, then discard what
-        the peer still sends until it closes too, so unread bytes never turn the close into a
-        reset that could cut the response short."""
-        try:
-            conn.sock.shutdown(socket.SHUT_WR)
-            conn.sock.setblocking(False)
-        except OSError:
-            self.drop(conn)
-            return
-        conn.drained = 0
-        self.watch(conn, time.monotonic() + CLOSE_LINGER_S)
-        self.closing[conn] = None
-        self.poller.register(
-            conn.sock, selectors.EVENT_READ, partial(self.on_closing_readable, conn)
+                resp.force_close()
+            respiter = self.wsgi(environ, partial(start_response, resp))
+            try:
+                if not self.body_settled(conn):
+                    resp.force_close()
+                for item in respiter:
+                    resp.write(item)
+                resp.close()
+            finally:
+                if hasattr(respiter, "close"):
+                    respiter.close()
+        except BaseException:
+            conn.reply = None  # gunicorn answers the error itself; never half a reply
+            raise
+        conn.reply_id = dict((name.lower(), value) for name, value in resp.headers).get(
+            "x-request-id"
         )
+        return not resp.should_close()
 
-    def on_closing_readable(self, conn: TConn, _sock) -> None:
+    def body_settled(self, conn: TConn) -> bool:
+        """Whether the request's body is read, or can be by taking only bytes that already
+        arrived (at most BODY_DRAIN_BYTES). Never waits, never asks for a 100 Continue."""
+        conn.reader.continue_pending = False
+        conn.reader.deadline = time.monotonic()
         try:
-            data = conn.sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        conn.drained += len(data)
-        if not data or conn.drained >= CLOSE_DRAIN_BYTES:
-            self.end_closing(conn)
+            return bool(conn.parser.finish_body(max_bytes=BODY_DRAIN_BYTES))
+        except Exception:  # a malformed or oversized rest: the connection closes
+            return False
 
-    def end_closing(self, conn: TConn) -> None:
-        if conn in self.closing:
-            del self.closing[conn]
-            self.poller.unregister(conn.sock)
-        self.drop(conn)
-
-    def drop(self, conn: TConn) -> None:
-        self.nr_conns -= 1
-        conn.close()
+    def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
+        """gthread drains an unread body here, holding the thread up to 5 s; `handle_request`
+        has already settled it without waiting."""
+        return keepalive
 
     # Shutdown -----------------------------------------------------------------------------
 
@@ -358,9 +346,12 @@ class SemifWorker(ThreadWorker):
                 timeout=self.next_wake(min(1.0, grace_ends - time.monotonic()))
             )
             self.expire()
+        cut = self.undelivered_at_stop + self.cut_off_replies()
         in_progress = getattr(self.wsgi, "in_progress", None)
-        if in_progress is not None and len(in_progress):
-            self.cut_off(in_progress)
+        if in_progress is not None:
+            cut += in_progress.cut_off()
+        if cut:
+            self.exit_cut_off(cut)
         for conn in list(self.reading):
             self.stop_reading(conn)
             self.drop(conn)
@@ -370,12 +361,13 @@ class SemifWorker(ThreadWorker):
         self.poller.close()
         self.method_queue.close()
 
-    def cut_off(self, in_progress) -> None:
-        """Log each request the grace period cut off, tell the master, and exit now: the
-        threads still serving them cannot be stopped, and the master kills us soon anyway."""
-        count = in_progress.cut_off()
+    def exit_cut_off(self, count: int) -> None:
+        """Tell the master how many requests were cut off (inside the app, or their replies
+        undelivered) and exit now: the threads still serving some cannot be stopped, and the
+        master kills us soon anyway."""
         self.log.error(
-            "SEMIF_GRACEFUL_TIMEOUT_S (%ss) ended with %d request(s) in progress: cut off",
+            "SEMIF_GRACEFUL_TIMEOUT_S (%ss) ended with %d request(s) in progress or undelivered:"
+            " cut off",
             self.limits.graceful_timeout_s,
             count,
         )

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from semif_serve.worker import DeadlineSocket, head_ready
+from semif_serve.sockets import DeadlineSocket
+from semif_serve.worker import head_ready
 
 
 @pytest.mark.parametrize(

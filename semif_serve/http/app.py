@@ -16,10 +16,11 @@ from semif_serve.runtime.service import DecisionService
 
 
 class ServingApp(falcon.App):
-    """falcon.App plus `in_progress`, the requests inside it now: the gunicorn worker names those
-    its shutdown grace period cuts off (semif_serve/worker.py)."""
+    """falcon.App plus what the gunicorn worker (semif_serve/worker.py) reports to: `in_progress`,
+    the requests inside it now (it names those its shutdown grace period cuts off), and
+    `metrics` (it counts the replies it could not deliver)."""
 
-    __slots__ = ("in_progress",)
+    __slots__ = ("in_progress", "metrics")
 
 
 def create_app(
@@ -35,6 +36,7 @@ def create_app(
     in_progress = InProgress()
     app = ServingApp(middleware=[RequestLog(metrics, literal, in_progress), auth, admission])
     app.in_progress = in_progress
+    app.metrics = metrics
     limit = settings.max_body_bytes
     app.add_route("/health", Health(service))
     app.add_route("/decide", Decide(service, limit))

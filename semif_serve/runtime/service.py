@@ -4,8 +4,9 @@ It checks the request shape and limits, expands order-averaged decisions into on
 ordering, leases the requested model from the runtime (FIFO, within the queue timeout), sends
 every row of a request to its engine in a single call (one `score` for a plain /decide, else one
 `score_shared`), and builds the reply: native results untouched (INV-1), plus `calibrated` or
-`combined` next to them. A scorer ValueError becomes `InvalidRequest` (422); any failure while
-building the reply becomes `ScoringFailed` (500, bug hunt C3).
+`combined` next to them. A request whose client has gone by the time it holds the model is
+dropped unscored (`ClientGone`). A scorer ValueError becomes `InvalidRequest` (422); any
+failure while building the reply becomes `ScoringFailed` (500, bug hunt C3).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from semif_serve.decisions import (
     calibrated,
     expand,
 )
-from semif_serve.errors import InvalidRequest, ScoringFailed
+from semif_serve.errors import ClientGone, InvalidRequest, ScoringFailed
 from semif_serve.runtime.registry import Runtime
 from semif_serve.scoring.rows import InvalidRow, Row, parse_row
 
@@ -51,6 +52,9 @@ class _Decision:
     rows: list[Row] = field(default_factory=list)
 
 
+ClientCheck = Callable[[], bool]  # True once the caller has closed its connection
+
+
 class DecisionService:
     def __init__(self, runtime: Runtime, settings: Any):
         self._runtime = runtime
@@ -72,7 +76,7 @@ class DecisionService:
             "workloads": dict(settings.calibration),
         }
 
-    def decide(self, body: dict[str, Any]) -> Outcome:
+    def decide(self, body: dict[str, Any], client_gone: ClientCheck | None = None) -> Outcome:
         _check_keys(body, DECIDE_KEYS, "body")
         workload = self._workload(body)
         decision = _decision(body, "")
@@ -80,14 +84,18 @@ class DecisionService:
         route = _routing(body)
         if decision.mode == "none":
             row = decision.rows[0]
-            result = self._scored(route, lambda engine: engine.score(row), [decision])
+            result = self._scored(route, lambda engine: engine.score(row), client_gone, [decision])
             return Outcome(_building(lambda: self._with_calibration(result, workload)), 1)
         self._check_row_count([decision])
         rows = decision.rows
-        results, _ = self._scored(route, lambda engine: engine.score_shared(rows), [decision])
+        results, _ = self._scored(
+            route, lambda engine: engine.score_shared(rows), client_gone, [decision]
+        )
         return Outcome(_building(lambda: _assemble([decision], results)[0]), len(results))
 
-    def decide_shared(self, body: dict[str, Any]) -> Outcome:
+    def decide_shared(
+        self, body: dict[str, Any], client_gone: ClientCheck | None = None
+    ) -> Outcome:
         _check_keys(body, SHARED_KEYS, "body")
         workload = self._workload(body)
         if "state" not in body:
@@ -110,7 +118,9 @@ class DecisionService:
         _check_unique_ids(decisions)
         route = _routing(body)
         rows = [row for decision in decisions for row in decision.rows]
-        results, timing = self._scored(route, lambda engine: engine.score_shared(rows), decisions)
+        results, timing = self._scored(
+            route, lambda engine: engine.score_shared(rows), client_gone, decisions
+        )
 
         def reply() -> dict[str, Any]:
             built = _assemble(decisions, results)
@@ -122,11 +132,18 @@ class DecisionService:
         return Outcome(_building(reply), len(rows))
 
     def _scored(
-        self, route: tuple[str | None, float | None], call: Callable[[Any], Any], decisions
+        self,
+        route: tuple[str | None, float | None],
+        call: Callable[[Any], Any],
+        client_gone: ClientCheck | None,
+        decisions,
     ) -> Any:
-        """Lease the model, run the engine call; a scorer ValueError names its decision."""
+        """Lease the model and, unless the caller has gone meanwhile, run the engine call; a
+        scorer ValueError names its decision."""
         model_id, timeout_s = route
         with self._runtime.lease(model_id, timeout_s) as engine:
+            if client_gone is not None and client_gone():
+                raise ClientGone("the client closed its connection before its request was scored")
             try:
                 return call(engine)
             except ValueError as error:
