@@ -1,6 +1,7 @@
 """The body reader never keeps more than the limit and never trusts a strange Content-Length."""
 
 import io
+import json
 
 import pytest
 
@@ -11,7 +12,13 @@ from semif_serve.errors import (
     RequestTimeout,
     RequestTooLarge,
 )
-from semif_serve.http.body import declared_length, parse_json_object, read_body
+from semif_serve.http.body import (
+    declared_length,
+    may_hold_lone_surrogate,
+    parse_json_object,
+    read_body,
+    refuse_lone_surrogates,
+)
 
 
 class Endless(io.RawIOBase):
@@ -143,6 +150,7 @@ def test_an_absent_content_length_means_read_to_the_end():
     ("body", "message"),
     [
         (b"\xff", "body: must be UTF-8 encoded JSON"),
+        (b'{"id": "\xed\xa0\x80"}', "body: must be UTF-8 encoded JSON"),  # U+D800 as raw bytes
         (b"[1]", "body: must be a JSON object, got list"),
         (b"null", "body: must be a JSON object, got NoneType"),
         (b'{"a": NaN}', "body: not valid JSON: NaN is not valid JSON"),
@@ -164,3 +172,90 @@ def test_a_body_deeper_than_the_json_parser_goes_is_a_422_not_a_recursion_error(
     with pytest.raises(InvalidRequest) as error:
         parse_json_object(deep)
     assert str(error.value) == "body: JSON nested too deeply"
+
+
+# --- lone surrogates (issue 21, finding 5) ---------------------------------------------------
+
+LONE = "contains a lone surrogate ({}), which is not valid Unicode text"
+
+
+@pytest.mark.parametrize(
+    ("body", "named", "surrogate"),
+    [
+        (rb'{"id": "\ud800"}', "id:", r"\ud800"),
+        (rb'{"id": "ok", "question": "why\uDFFF?"}', "question:", r"\udfff"),
+        (rb'{"options": [{"id": "a"}, {"id": "\udBfF"}]}', "options[1].id:", r"\udbff"),
+        (rb'{"state": {"a": [1, {"b": "x\udc00"}]}}', "state.a[1].b:", r"\udc00"),
+        (rb'{"state": {"a": {"k\ud800": 1}}}', r'state.a: the key "k\ud800"', r"\ud800"),
+        (rb'{"\ud800": 1}', r'body: the key "\ud800"', r"\ud800"),
+        (rb'{"s": [["\ude00\ud83d"]]}', "s[0][0]:", r"\ude00"),  # a pair, reversed
+        (rb'{"s": "\ud83d\ud83d\ude00"}', "s:", r"\ud83d"),  # a high half, then a pair
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_refused_naming_its_field(body, named, surrogate):
+    with pytest.raises(InvalidRequest) as caught:
+        parse_json_object(body)
+    assert str(caught.value) == f"{named} {LONE.format(surrogate)}"
+    str(caught.value).encode()  # the message itself is valid text
+
+
+def test_the_first_lone_surrogate_in_document_order_is_the_one_named():
+    def named(body):
+        with pytest.raises(InvalidRequest) as caught:
+            refuse_lone_surrogates(body)
+        return str(caught.value).partition(":")[0]
+
+    assert named({"a": {"x": ["ok", "\ud800"]}, "b": "\udc00"}) == "a.x[1]"
+    assert named({"a": [[], {}, ["\ud800"]], "b": "\udc00"}) == "a[2][0]"
+    assert named({"a": "ok", "\ud800": "\udc00"}) == "body"  # a key before its own value
+    assert named({"a": {"k\ud800": "\udc00"}}) == "a"
+    assert named({"a": ["ok", 1, None, True, 2.5], "b": "\udc00"}) == "b"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        rb'{"id": "\ud83d\ude00", "s": {"\uD83D\uDE00": ["\ud83d\ude00"]}}',  # pairs: one U+1F600
+        rb'{"id": "\\ud800"}',  # an escaped backslash: the six characters \ud800, no surrogate
+        rb'{"id": "\ud7ff\ue000"}',  # either side of the surrogates
+    ],
+)
+def test_surrogate_pairs_and_text_that_only_looks_like_an_escape_are_accepted(body):
+    value = parse_json_object(body)
+    assert value == json.loads(body)
+    json.dumps(value, ensure_ascii=False).encode()  # renders as UTF-8
+
+
+def test_a_lone_surrogate_at_the_bottom_of_a_deep_body_is_named_without_recursion():
+    depth = 900  # about what the JSON parser itself allows
+    body = b'{"s": ' + b"[" * depth + rb'"\ud800"' + b"]" * depth + b"}"
+    with pytest.raises(InvalidRequest) as caught:
+        parse_json_object(body)
+    assert str(caught.value) == "s" + "[0]" * depth + ": " + LONE.format(r"\ud800")
+
+
+@pytest.mark.parametrize(
+    ("body", "found"),
+    [
+        (rb'"\ud800"', True),
+        (rb'"\uDFFF"', True),
+        (rb'"\uDa0f"', True),
+        (rb'"\ud83d\ude00"', True),  # a pair: the walk then finds nothing to refuse
+        (rb'"\\ud800"', True),  # an escaped backslash: a needless walk, never a miss
+        (rb'"\ud7ff"', False),
+        (rb'"\ue000"', False),
+        (rb'"\u00e9 d800 ud800 \\x \\uzd80"', False),
+        ("\U0001f600 é".encode(), False),
+    ],
+)
+def test_only_a_body_that_escapes_a_surrogate_is_walked(body, found):
+    assert may_hold_lone_surrogate(body) is found
+
+
+def test_a_body_without_a_surrogate_escape_is_not_walked(monkeypatch):
+    walked = []
+    monkeypatch.setattr("semif_serve.http.body.refuse_lone_surrogates", walked.append)
+    parse_json_object('{"id": "é😀", "s": ["\\u00e9"]}'.encode())
+    assert walked == []
+    parse_json_object(rb'{"id": "\ud83d\ude00"}')
+    assert walked == [{"id": "\U0001f600"}]

@@ -159,7 +159,9 @@ def test_read_deadlines_and_the_connection_cap_have_defaults_and_parse():
     assert (s.header_timeout_s, s.body_timeout_s, s.max_connections) == (0.5, 120.0, 300)
 
 
-@pytest.mark.parametrize("name", ["SEMIF_HEADER_TIMEOUT_S", "SEMIF_BODY_TIMEOUT_S"])
+@pytest.mark.parametrize(
+    "name", ["SEMIF_HEADER_TIMEOUT_S", "SEMIF_BODY_TIMEOUT_S", "SEMIF_WRITE_TIMEOUT_S"]
+)
 @pytest.mark.parametrize(
     ("value", "rule"),
     [

@@ -37,6 +37,7 @@ DEFAULTS = {
     "memory_budget_gib": None,
     "header_timeout_s": 10.0,
     "body_timeout_s": 30.0,
+    "write_timeout_s": 30.0,
     "max_connections": 1000,
     "prefix_cache_gib": 8.0,
 }
@@ -64,6 +65,7 @@ ONE_VARIABLE = [
     ("SEMIF_MEMORY_BUDGET_GIB", "3", "memory_budget_gib", 3.0),
     ("SEMIF_HEADER_TIMEOUT_S", "2.5", "header_timeout_s", 2.5),
     ("SEMIF_BODY_TIMEOUT_S", "7", "body_timeout_s", 7.0),
+    ("SEMIF_WRITE_TIMEOUT_S", "4", "write_timeout_s", 4.0),
     ("SEMIF_MAX_CONNECTIONS", "50", "max_connections", 50),
     ("SEMIF_PREFIX_CACHE_GIB", "0", "prefix_cache_gib", 0.0),
 ]

@@ -6,6 +6,7 @@ import json
 import pytest
 from fakes import AUTH, WAIT_S, FakeScorer, fake_app, row
 from falcon import testing
+from live_server import fake_server
 
 from semif_serve.runtime.service import MAX_TIMEOUT_S
 from semif_serve.scoring.rows import MAX_STATE_DEPTH, InvalidRow, parse_row
@@ -124,7 +125,7 @@ def test_bodies_nested_thousands_deep_are_a_422_not_a_500(depth):
     assert (status, code) == (422, "invalid_request")
     assert message in ("body: JSON nested too deeply",) or message.startswith("state: nested")
     decisions = json.dumps([{k: v for k, v in row().items() if k != "state"}])
-    deep = "{\"a\": " * depth + "1" + "}" * depth
+    deep = '{"a": ' * depth + "1" + "}" * depth
     deep_shared = '{"state": ' + deep + ', "decisions": ' + decisions + "}"
     response = api.simulate_post(
         "/decide/shared", body=deep_shared, headers={**AUTH, "Content-Type": "application/json"}
@@ -152,3 +153,95 @@ def test_an_unsupported_method_on_a_public_route_is_a_405_without_a_token(path):
     assert (response.status_code, response.json["error"]["code"]) == (405, "method_not_allowed")
     assert "GET" in response.headers["allow"]
     assert api.simulate_post("/decide", json=row()).status_code == 401  # the rest still needs one
+
+
+# --- lone surrogates (issue 21, finding 5) ---------------------------------------------------
+# json.dumps writes a lone surrogate as its escape ("\ud800"), as a hostile client would send it.
+# Before, an id was scored and then the reply failed to encode (a bodyless 500 logged as 200);
+# a state, question or description was a 500 from the tokenizer.
+
+LONE = "contains a lone surrogate (\\ud800), which is not valid Unicode text"
+SHARED = {"state": "s", "decisions": [{k: v for k, v in row(id="d0").items() if k != "state"}]}
+
+
+def send_escaped(api, method, path, body, headers):
+    """`body` as json.dumps writes it by default: ASCII, a surrogate as its \\u escape."""
+    headers = {**headers, "Content-Type": "application/json"}
+    return api.simulate_request(method, path, body=json.dumps(body), headers=headers)
+
+
+def with_options(**option):
+    body = row()
+    body["options"][1].update(option)
+    return body
+
+
+def with_shared_decision_id(value):
+    body = json.loads(json.dumps(SHARED))
+    body["decisions"].append({**body["decisions"][0], "id": value})
+    return body
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/decide", row(id="\ud800"), "id:"),
+        ("/decide", row(state={"door": ["open", "x\ud800"]}), "state.door[1]:"),
+        ("/decide", row(state={"door": {"k\ud800": 1}}), 'state.door: the key "k\\ud800"'),
+        ("/decide", row(state="\ud800"), "state:"),
+        ("/decide", row(question="Is it \ud800?"), "question:"),
+        ("/decide", with_options(id="\ud800"), "options[1].id:"),
+        ("/decide", with_options(description="\ud800 No"), "options[1].description:"),
+        ("/decide/shared", with_shared_decision_id("\ud800"), "decisions[1].id:"),
+        ("/decide/shared", {**SHARED, "state": ["\ud800"]}, "state[0]:"),
+    ],
+)
+def test_a_lone_surrogate_is_a_422_naming_its_field_and_is_never_scored(path, body, named):
+    api, scorer = api_with()
+    response = send_escaped(api, "POST", path, body, AUTH)
+    assert error(response) == (422, "invalid_request", f"{named} {LONE}")
+    assert "x-semif-state-key" not in response.headers
+    assert scorer.calls == []
+    assert queued(api) == (0, 0)
+
+
+def test_a_lone_surrogate_in_a_model_table_is_a_422_and_registers_nothing():
+    admin = "a" * 40
+    api, _ = api_with(admin_token=admin)
+    admin_auth = {"Authorization": f"Bearer {admin}"}
+    response = send_escaped(api, "PUT", "/v1/models/c", {"source": "test:\ud800"}, admin_auth)
+    assert error(response) == (422, "invalid_request", f"source: {LONE}")
+    assert [
+        model["id"] for model in api.simulate_get("/v1/models", headers=AUTH).json["models"]
+    ] == ["default"]
+
+
+def test_a_surrogate_pair_is_one_valid_character_and_is_scored():
+    api, scorer = api_with()
+    body = row(id="\U0001f600", state={"\U0001f600": "\U0001f600"}, question="\U0001f600?")
+    assert "\\ud83d\\ude00" in json.dumps(body)  # the emoji as the pair of escapes
+    response = send_escaped(api, "POST", "/decide", body, AUTH)
+    assert response.status_code == 200
+    assert response.json["id"] == "\U0001f600"
+    assert scorer.calls[0][1].state == {"\U0001f600": "\U0001f600"}
+
+
+@pytest.mark.server
+def test_a_lone_surrogate_id_through_gunicorn_is_a_422_envelope_logged_as_422(tmp_path):
+    with fake_server(tmp_path) as server:
+        status, body, headers = server.request(
+            "POST", "/decide", row(id="\ud800"), {**AUTH, "X-Request-Id": "lone-1"}
+        )
+        assert status == 422 and int(headers["content-length"]) > 0
+        assert body["error"] == {"code": "invalid_request", "message": f"id: {LONE}"}
+        [line] = [
+            json.loads(line)
+            for line in server.log_text().splitlines()
+            if '"request_id": "lone-1"' in line
+        ]
+        assert (line["route"], line["status"], line["error"]) == (
+            "/decide",
+            422,
+            "invalid_request",
+        )
+        assert server.request("POST", "/decide", row(), AUTH)[0] == 200

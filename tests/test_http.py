@@ -1,10 +1,12 @@
 """The contract's HTTP tests, through falcon's TestClient with a fake scorer (no torch, no model)."""
 
 import json
+import logging
 
 import pytest
 from fakes import AUTH, TOKEN, FakeScorer, decision, fake_app, row
 from falcon import testing
+from prometheus_client.parser import text_string_to_metric_families
 
 from semif_serve.errors import OutOfMemory
 from semif_serve.runtime.service import SEMIF_COMMIT
@@ -341,3 +343,66 @@ def test_a_reply_that_cannot_render_as_json_is_a_500_envelope():
     assert "could not be rendered" in assert_error(
         api.simulate_post("/decide", json=row(), headers=AUTH), 500, "scoring_failed"
     )
+
+
+def test_a_reply_that_cannot_encode_as_utf_8_is_a_500_envelope_logged_and_counted_as_500(caplog):
+    # Issue 21, finding 5: text UTF-8 cannot encode failed inside Falcon after the access log and
+    # /metrics had recorded 200, and the client got a 500 without a body.
+    class Unencodable(FakeScorer):
+        def result(self, row):
+            return {**super().result(row), "summary": "half a pair: \ud800"}
+
+    caplog.set_level(logging.INFO, logger="semif_serve.access")
+    api, _ = client(Unencodable())
+    response = api.simulate_post("/decide", json=row(), headers={**AUTH, "X-Request-Id": "u-1"})
+    message = assert_error(response, 500, "scoring_failed")
+    assert message.startswith("the response could not be rendered as JSON: 'utf-8' codec can't")
+    assert int(response.headers["content-length"]) == len(response.content)
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "semif_serve.access"]
+    assert (line["request_id"], line["status"], line["error"]) == ("u-1", 500, "scoring_failed")
+    metrics = text_string_to_metric_families(api.simulate_get("/metrics").text)
+    counted = {
+        sample.labels["status"]: sample.value
+        for family in metrics
+        for sample in family.samples
+        if sample.name == "semif_requests_total" and sample.labels["route"] == "/decide"
+    }
+    assert counted == {"500": 1}
+
+
+# --- HEAD (issue 21, finding 6) ----------------------------------------------------------------
+
+
+def without_request_id(headers):
+    return {name: value for name, value in headers.items() if name != "x-request-id"}
+
+
+@pytest.mark.parametrize(("path", "headers"), [("/health", {}), ("/v1/models", AUTH)])
+def test_head_answers_as_get_with_the_same_status_and_headers_and_no_body(path, headers):
+    api, _ = client()
+    got = api.simulate_get(path, headers=headers)
+    head = api.simulate_head(path, headers=headers)
+    assert (head.status_code, got.status_code) == (200, 200)
+    assert head.content == b""
+    assert without_request_id(head.headers) == without_request_id(got.headers)
+    assert int(head.headers["content-length"]) == len(got.content) > 0
+
+
+def test_head_metrics_needs_no_token_and_sends_no_body():
+    api, _ = client()
+    head = api.simulate_head("/metrics")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == api.simulate_get("/metrics").headers["content-type"]
+    assert int(head.headers["content-length"]) > 0
+
+
+def test_head_keeps_the_get_routes_auth_and_other_routes_refuse_it():
+    api, scorer = client()
+    response = api.simulate_head("/v1/models")
+    assert (response.status_code, response.content) == (401, b"")
+    assert response.headers["www-authenticate"] == "Bearer"
+    response = api.simulate_head("/decide", headers=AUTH)
+    assert (response.status_code, response.content) == (405, b"")
+    assert "HEAD" not in response.headers["allow"]
+    assert api.simulate_head("/decide").status_code == 401
+    assert scorer.calls == []

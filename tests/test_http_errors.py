@@ -7,7 +7,7 @@ import falcon
 import pytest
 from falcon import testing
 
-from semif_serve.errors import ScoringFailed, ServerBusy
+from semif_serve.errors import InvalidRequest, ScoringFailed, ServerBusy
 from semif_serve.http.errors import classify, envelope, handle_error
 
 
@@ -39,6 +39,15 @@ def test_the_envelope_keeps_non_ascii_text_as_is():
     assert envelope("busy", "café") == '{"error": {"code": "busy", "message": "café"}}'
 
 
+def test_the_envelope_writes_what_utf_8_cannot_encode_as_its_escape():
+    # A lone surrogate quoted from a request: the body must still encode (issue 21, finding 5).
+    text = envelope("invalid_request", "key 'k\ud800' café \udfff")
+    assert json.loads(text.encode())["error"] == {
+        "code": "invalid_request",
+        "message": "key 'k\\ud800' café \\udfff",
+    }
+
+
 def handled(error, method="PUT", path="/x"):
     req = falcon.Request(testing.create_environ(path=path, method=method))
     resp = falcon.Response()
@@ -60,5 +69,15 @@ def test_only_falcon_s_404_and_405_get_our_own_wording(error, status, message):
     resp, req = handled(error)
     assert resp.status == status
     assert resp.content_type == falcon.MEDIA_JSON
-    assert json.loads(resp.text)["error"]["message"] == message
-    assert req.context.error_code == json.loads(resp.text)["error"]["code"]
+    assert json.loads(resp.data)["error"]["message"] == message
+    assert req.context.error_code == json.loads(resp.data)["error"]["code"]
+
+
+def test_an_error_quoting_a_lone_surrogate_still_sends_its_envelope_as_bytes():
+    resp, req = handled(InvalidRequest("unknown workload '\ud800'"))
+    assert resp.status == 422 and isinstance(resp.data, bytes)
+    assert json.loads(resp.data)["error"] == {
+        "code": "invalid_request",
+        "message": "unknown workload '\\ud800'",
+    }
+    assert req.context.error_code == "invalid_request"

@@ -170,3 +170,25 @@ def test_unknown_routes_through_gunicorn_get_the_envelope(tmp_path):
         assert status == 404 and body["error"]["code"] == "not_found"
         assert headers["x-request-id"] == "r-1"
         assert '"route": "/nowhere", "status": 404' in server.log_text()
+
+
+def test_head_health_through_gunicorn_sends_no_body_and_the_connection_serves_a_get_next(tmp_path):
+    # Issue 21, finding 6: load balancers probe with HEAD, which was a 405.
+    with fake_server(tmp_path) as server, server.connect(timeout=WAIT_S) as sock:
+        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed before the HEAD's reply: {data!r}"
+            data += chunk
+        head, _, extra = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        assert lines[0] == "HTTP/1.1 200 OK" and headers["content-type"] == "application/json"
+        assert headers.get("connection") != "close"
+        assert extra == b"" and select.select([sock], [], [], 0.5)[0] == []  # no body follows
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, body = read_response(sock)
+        assert status == 200 and body["status"] == "ok"
+        assert int(headers["content-length"]) == len(json.dumps(body, ensure_ascii=False).encode())
+    assert '"method": "HEAD", "route": "/health", "status": 200' in server.log_text()

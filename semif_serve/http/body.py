@@ -4,12 +4,15 @@ The declared Content-Length is trusted only when it is plain ASCII digits: Pytho
 accepts Unicode digits ('١٠'), signs, spaces and underscores. A declared length over the limit
 is refused before any byte is read; otherwise the body is read in chunks and the limit is checked
 before each chunk is kept, so a chunked upload that never ends costs at most `limit` bytes.
+A parsed body holding a lone UTF-16 surrogate anywhere is refused, naming where: no reply or
+prompt could encode that text.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import IO, Any
 
 # gunicorn's body readers raise this for malformed framing (a chunk size that is not hex, a
@@ -26,6 +29,12 @@ from semif_serve.errors import (
 
 CHUNK_BYTES = 64 * 1024
 ASCII_DIGITS = re.compile(r"[0-9]+")
+# A JSON escape of a UTF-16 surrogate (\uD800-\uDFFF, any case). Strict UTF-8 never decodes
+# to a surrogate, so only a body holding such an escape can carry a lone one after parsing.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Where a value sits, innermost last: (parent path, key or index); None is the body itself.
+FieldPath = tuple["FieldPath", str | int] | None
 
 
 def declared_length(environ: dict[str, Any]) -> int | None:
@@ -100,7 +109,60 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequest("body: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"body: must be a JSON object, got {type(value).__name__}")
+    if may_hold_lone_surrogate(body):
+        refuse_lone_surrogates(value)
     return value
+
+
+def may_hold_lone_surrogate(body: bytes) -> bool:
+    """Whether the raw body escapes a surrogate; a pair (\\ud83d\\ude00) also counts."""
+    return SURROGATE_ESCAPE.search(body) is not None
+
+
+def refuse_lone_surrogates(value: dict[str, Any]) -> None:
+    """InvalidRequest naming the first string, object key or value, in document order, that
+    holds a lone surrogate. A loop over a stack of iterators, never recursion (a body may nest
+    ~1,000 deep); a field's path is spelled out only when it is refused."""
+    pending: list[tuple[Iterator[tuple[Any, Any]], FieldPath]] = [(_members(value), None)]
+    while pending:
+        members, path = pending[-1]
+        for segment, child in members:
+            if isinstance(segment, str):  # an object key
+                _refuse_if_lone_surrogate(segment, path, is_key=True)
+            if isinstance(child, str):
+                _refuse_if_lone_surrogate(child, (path, segment))
+            elif isinstance(child, (dict, list)):
+                pending.append((_members(child), (path, segment)))
+                break  # the child's members first; this container's rest resumes after them
+        else:
+            pending.pop()
+
+
+def _members(container: dict[str, Any] | list[Any]) -> Iterator[tuple[Any, Any]]:
+    """(key, value) of an object, (index, item) of an array."""
+    return iter(container.items()) if isinstance(container, dict) else enumerate(container)
+
+
+def _refuse_if_lone_surrogate(text: str, path: FieldPath, is_key: bool = False) -> None:
+    """`path`: the field's; for a key, its object's (None: the body itself)."""
+    found = LONE_SURROGATE.search(text)
+    if found is None:
+        return
+    escape = f"\\u{ord(found.group()):04x}"
+    problem = f"contains a lone surrogate ({escape}), which is not valid Unicode text"
+    if is_key:
+        shown = text.encode(errors="backslashreplace").decode()
+        raise InvalidRequest(f'{_field_name(path) or "body"}: the key "{shown}" {problem}')
+    raise InvalidRequest(f"{_field_name(path)}: {problem}")
+
+
+def _field_name(path: FieldPath) -> str:
+    """A path as the service's messages name fields: `options[1].id`, `state.door`."""
+    parts = []
+    while path is not None:
+        path, segment = path
+        parts.append(f"[{segment}]" if isinstance(segment, int) else f".{segment}")
+    return "".join(reversed(parts)).removeprefix(".")
 
 
 def read_json_object(environ: dict[str, Any], limit: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import falcon
 from semif_serve.errors import (
     BadManagementRequest,
     BadRequest,
+    ClientGone,
     Forbidden,
     IncompleteBody,
     InsufficientMemory,
@@ -43,6 +44,7 @@ STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     OutOfMemory: (503, "out_of_memory"),
     ModelLoadFailed: (503, "model_load_failed"),
     ScoringFailed: (500, "scoring_failed"),
+    ClientGone: (499, "client_closed_request"),  # nginx's code; nobody receives it
 }
 FALCON_CODES = {
     400: "bad_request",
@@ -62,11 +64,21 @@ EXTRA_HEADERS: dict[type[Exception], dict[str, str]] = {
     # The rest of a half-read body is still on the socket: the connection cannot be reused.
     IncompleteBody: {"Connection": "close"},
     RequestTimeout: {"Connection": "close"},
+    # A body refused for its size is not read to its end either (the worker honours this).
+    RequestTooLarge: {"Connection": "close"},
 }
 
 
 def envelope(code: str, message: str) -> str:
-    return json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=False)
+    """The error body, always encodable as UTF-8: a message character that is not (a lone
+    surrogate quoted from a request) is written as its escape, the six characters `\\ud800`."""
+    error = {"code": code, "message": encodable(message)}
+    return json.dumps({"error": error}, ensure_ascii=False)
+
+
+def encodable(text: str) -> str:
+    """`text` with each character UTF-8 cannot encode replaced by its backslash escape."""
+    return text.encode(errors="backslashreplace").decode()
 
 
 def classify(error: Exception) -> tuple[int, str, str, dict[str, str]]:
@@ -91,7 +103,7 @@ def handle_error(req: falcon.Request, resp: falcon.Response, error: Exception, p
         message = f"{req.method} is not allowed on {req.path}"
     resp.status = status
     resp.content_type = falcon.MEDIA_JSON
-    resp.text = envelope(code, message)
+    resp.data = envelope(code, message).encode()
     for name, value in headers.items():
         resp.set_header(name, value)
     req.context.error_code = code

@@ -22,10 +22,13 @@ class _Management:
 
 
 class Models(_Management):
-    """GET /v1/models: every registered model's state; reserves nothing, resets no timer."""
+    """GET and HEAD /v1/models: every registered model's state; reserves nothing, resets no
+    timer."""
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         send_json(resp, {"models": self._runtime.status()})
+
+    on_head = on_get  # Falcon answers a HEAD with the GET's status and headers, no body
 
 
 class Model(_Management):

@@ -1,0 +1,81 @@
+"""A request whose client has gone is dropped before scoring (issue 21, finding 4): the worker
+puts a `semif.client_gone` check in the WSGI environ; the service calls it once it holds the
+model, just before the engine call. Real sockets: tests/test_hostile_wire.py."""
+
+import json
+import logging
+
+import pytest
+from fakes import AUTH, decision, fake_app, row
+from falcon import testing
+from prometheus_client.parser import text_string_to_metric_families
+
+from semif_serve.sockets import CLIENT_GONE_KEY
+
+
+def abandoned_total(api) -> float:
+    page = api.simulate_get("/metrics").text
+    for family in text_string_to_metric_families(page):
+        if family.name == "semif_requests_abandoned":
+            return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+    raise AssertionError("semif_requests_abandoned is not on /metrics")
+
+
+BODIES = {
+    "/decide": row(),
+    "/decide/shared": {"state": {"door": "open"}, "decisions": [decision("a"), decision("b")]},
+}
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_a_request_whose_client_left_is_dropped_before_scoring(path, caplog):
+    app, scorer = fake_app()
+    api = testing.TestClient(app)
+    checks = []
+
+    def gone() -> bool:
+        checks.append(len(scorer.calls))
+        return True
+
+    with caplog.at_level(logging.INFO, logger="semif_serve.access"):
+        response = api.simulate_post(
+            path, json=BODIES[path], headers=AUTH, extras={CLIENT_GONE_KEY: gone}
+        )
+    assert response.status_code == 499
+    assert response.json["error"]["code"] == "client_closed_request"
+    assert scorer.calls == [] and checks == [0]  # asked once, before any engine call
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "semif_serve.access"]
+    assert [(line["status"], line.get("error")) for line in lines] == [
+        (499, "client_closed_request")
+    ]
+    assert abandoned_total(api) == 1
+    assert app.metrics is not None
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_a_request_whose_client_is_still_there_is_scored(path):
+    app, scorer = fake_app()
+    api = testing.TestClient(app)
+    response = api.simulate_post(
+        path, json=BODIES[path], headers=AUTH, extras={CLIENT_GONE_KEY: lambda: False}
+    )
+    assert response.status_code == 200, response.text
+    assert len(scorer.calls) == 1
+    assert abandoned_total(api) == 0
+
+
+def test_without_a_check_in_the_environ_requests_are_scored():
+    app, scorer = fake_app()
+    response = testing.TestClient(app).simulate_post("/decide", json=row(), headers=AUTH)
+    assert response.status_code == 200 and len(scorer.calls) == 1
+
+
+def test_a_dropped_request_frees_its_slot_for_the_next():
+    app, scorer = fake_app(max_queue=1)
+    api = testing.TestClient(app)
+    first = api.simulate_post(
+        "/decide", json=row(), headers=AUTH, extras={CLIENT_GONE_KEY: lambda: True}
+    )
+    assert first.status_code == 499
+    second = api.simulate_post("/decide", json=row(), headers=AUTH)
+    assert second.status_code == 200 and len(scorer.calls) == 1
