@@ -1,11 +1,16 @@
-"""/health latency with 200 slow clients holding connections open (issue 13), against the same
-server with none, on 127.0.0.1 only.
+"""/health latency with 200 slow clients holding connections open (issue 13), and with 200
+connections that pipeline requests and never read a reply (issue 21), against the same server
+with none, on 127.0.0.1 only.
 
 The slow clients: silent connections (never send a byte), heads sent a byte at a time (never
 finished), and POST /decide bodies sent a byte at a time that hold every admission slot
 (SEMIF_MAX_QUEUE=32). The read deadlines are raised to 120 s so none of them is closed while
 /health is measured; the run checks at the end that all 200 are still open. Each /health probe
 opens a fresh connection, as a load balancer's health check does.
+
+The never-reading clients (tests/hostile_clients.py): a 4 KiB receive buffer and a small MSS
+each, pipelining GET /metrics or /health until their sends block, with SEMIF_WRITE_TIMEOUT_S
+raised to 120 s so none is reset while /health is measured.
 """
 
 import socket
@@ -15,12 +20,20 @@ import time
 
 import pytest
 from benchlib import FULL, report
-from fakes import TOKEN, WAIT_S
+from fakes import AUTH, TOKEN, WAIT_S, row
+from hostile_clients import (
+    TCP_ESTABLISHED,
+    close_all,
+    open_never_reading,
+    tcp_state,
+    wait_until_stalled,
+)
 from live_server import fake_server, wait_for_file
 
 pytestmark = pytest.mark.server
 
 SILENT, SLOW_HEADS, SLOW_BODIES = 104, 64, 32  # 200 open slow connections
+NEVER_READING = 200  # issue 21: pipelining connections that never read a reply
 PROBES = 1000 if FULL else 200
 DRIP_EVERY_S = 0.5  # one byte per slow head and per slow body this often
 P99_TARGET_S = 0.100  # issue 13: /health p99 under 100 ms with >= 200 slow connections
@@ -112,5 +125,48 @@ def test_health_p99_with_200_slow_connections(tmp_path, benchmark):
         without=quiet,
     )
     assert open_at_end == len(slow), "a slow connection was closed while measuring"
+    bound = P99_TARGET_S if FULL else TINY_P99_BOUND_S
+    assert under_load["p99_ms"] < bound * 1000, under_load
+
+
+def test_health_p99_with_200_never_reading_pipelining_connections(tmp_path, benchmark):
+    with fake_server(tmp_path, SEMIF_WRITE_TIMEOUT_S="120") as server:
+        baseline = [probe(server.port) for _ in range(PROBES)]
+        clients = open_never_reading(
+            server.port, NEVER_READING, paths=("/metrics", "/health"), prefix="unread"
+        )
+        try:
+            blocked = sum(client.blocked for client in clients)
+            answered = wait_until_stalled(server.log_text, clients, 60)
+            try:
+                loaded = [probe(server.port) for _ in range(PROBES)]
+                benchmark.pedantic(lambda: probe(server.port), rounds=1, iterations=1)
+                started = time.perf_counter()
+                decide = server.request("POST", "/decide", row(), AUTH, timeout=WAIT_S)[0]
+                decide_s = time.perf_counter() - started
+            except TimeoutError:
+                pytest.fail(f"no reply within {WAIT_S} s with {NEVER_READING} never-reading open")
+            open_at_end = sum(tcp_state(client.sock) == TCP_ESTABLISHED for client in clients)
+        finally:
+            close_all(clients)
+    under_load, quiet = percentiles(loaded), percentiles(baseline)
+    report(
+        "health_never_reading_clients",
+        f"/health p99 with {NEVER_READING} connections pipelining GET /metrics or /health "
+        "and never reading",
+        "/health p99 on the same server with none",
+        under_load["p99_ms"] / quiet["p99_ms"],
+        probes=PROBES,
+        requests_sent=sum(client.sent for client in clients),
+        replies_answered_before_stalling=sum(answered.values()),
+        connections_blocked=blocked,
+        connections_open_at_end=open_at_end,
+        decide_seconds=decide_s,
+        with_never_reading=under_load,
+        without=quiet,
+    )
+    assert blocked == NEVER_READING, "the server kept reading some; the run proves nothing"
+    assert decide == 200
+    assert open_at_end == NEVER_READING, "a never-reading connection was closed while measuring"
     bound = P99_TARGET_S if FULL else TINY_P99_BOUND_S
     assert under_load["p99_ms"] < bound * 1000, under_load

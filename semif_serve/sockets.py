@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 from typing import Any
@@ -85,11 +86,16 @@ class ReplyBuffer:
 
 def peer_gone(sock: socket.socket) -> bool:
     """Whether the client closed (FIN) or reset its end. Bytes waiting to be read (a pipelined
-    request) mean it is still there; so does nothing at all. Never blocks."""
+    request) mean it is still there; so does nothing at all. Never waits: a socket with a
+    timeout would wait that long in recv() for nothing to arrive, so poll() asks first."""
     try:
+        readiness = select.poll()
+        readiness.register(sock, select.POLLIN)
+        if not readiness.poll(0):
+            return False
         waiting = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
         return False
-    except OSError:  # reset, or the socket is already closed
+    except (OSError, ValueError):  # reset, or the socket is already closed (no descriptor)
         return True
     return waiting == b""

@@ -20,6 +20,16 @@ def pair():
     right.close()
 
 
+def test_a_new_reader_has_no_deadline_no_budget_and_no_continue(pair):
+    reader = DeadlineSocket(pair[0])
+    assert (reader.deadline, reader.wire_limit, reader.received, reader.continue_pending) == (
+        None,
+        None,
+        0,
+        False,
+    )
+
+
 def reader_for(sock, wire_limit=None) -> DeadlineSocket:
     reader = DeadlineSocket(sock)
     reader.start_request(time.monotonic() + 5, wire_limit)
@@ -75,6 +85,7 @@ def test_a_pending_continue_goes_out_once_at_the_first_body_read(pair):
     reader.continue_pending = True
     pair[1].sendall(b"body")
     assert reader.recv(2) == b"bo"
+    assert reader.continue_pending is False
     assert pair[1].recv(100) == CONTINUE
     assert reader.recv(2) == b"dy"
     pair[1].setblocking(False)
@@ -85,18 +96,21 @@ def test_a_pending_continue_goes_out_once_at_the_first_body_read(pair):
 
 def test_the_reply_buffer_keeps_everything_written_in_order():
     buffer = ReplyBuffer()
-    buffer.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+    buffer.sendall(b"HTTP/1.1 200 OK\r\n")
+    buffer.sendall(b"\r\n")
     assert buffer.send(b"{}") == 2
     assert bytes(buffer.data) == b"HTTP/1.1 200 OK\r\n\r\n{}"
 
 
 def test_a_connected_quiet_client_is_not_gone(pair):
+    pair[0].settimeout(1)  # a check that blocked would time out (gone), not hang the test
     assert peer_gone(pair[0]) is False
 
 
 def test_a_client_with_a_pipelined_request_is_not_gone_and_keeps_its_bytes(pair):
     pair[1].sendall(b"GET /health HTTP/1.1\r\n\r\n")
     pair[1].shutdown(socket.SHUT_WR)  # bytes before the FIN: still a request to answer
+    pair[0].settimeout(1)
     assert peer_gone(pair[0]) is False
     assert pair[0].recv(100) == b"GET /health HTTP/1.1\r\n\r\n"
 
@@ -107,7 +121,7 @@ def test_a_client_that_closed_is_gone(pair):
 
 
 def test_a_blocking_socket_is_checked_without_blocking(pair):
-    pair[0].setblocking(True)
+    pair[0].settimeout(1)  # a check that blocked would time out (gone), not hang the test
     started = time.monotonic()
     assert peer_gone(pair[0]) is False
     assert time.monotonic() - started < 1

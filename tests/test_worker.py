@@ -2,6 +2,7 @@
 a thread, and the socket whose reads end at the body deadline (semif_serve/worker.py)."""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -67,8 +68,14 @@ def pair():
 def test_a_read_waits_no_longer_than_the_deadline(pair):
     reader = DeadlineSocket(pair[0])
     reader.deadline = time.monotonic() + 0.05
-    with pytest.raises(TimeoutError):
-        reader.recv(10)
+    # A read that ignored the deadline would get these bytes 3 s later instead of timing out.
+    watchdog = threading.Timer(3, pair[1].sendall, (b"late",))
+    watchdog.start()
+    try:
+        with pytest.raises(TimeoutError):
+            reader.recv(10)
+    finally:
+        watchdog.cancel()
     assert pair[0].gettimeout() is None  # blocking again, for the response
 
 
@@ -77,7 +84,7 @@ def test_past_the_deadline_only_bytes_already_there_are_taken(pair):
     reader.deadline = time.monotonic() - 1
     pair[1].sendall(b"here")
     assert reader.recv(10) == b"here"
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="^the read deadline passed$"):  # at once, not waited
         reader.recv(10)
     assert pair[0].gettimeout() is None
 
