@@ -23,6 +23,7 @@ def abandoned_total(api) -> float:
 
 BODIES = {
     "/decide": row(),
+    "/decide?orderings": row(orderings="rotations"),
     "/decide/shared": {"state": {"door": "open"}, "decisions": [decision("a"), decision("b")]},
 }
 
@@ -39,10 +40,13 @@ def test_a_request_whose_client_left_is_dropped_before_scoring(path, caplog):
 
     with caplog.at_level(logging.INFO, logger="semif_serve.access"):
         response = api.simulate_post(
-            path, json=BODIES[path], headers=AUTH, extras={CLIENT_GONE_KEY: gone}
+            path.split("?")[0], json=BODIES[path], headers=AUTH, extras={CLIENT_GONE_KEY: gone}
         )
     assert response.status_code == 499
-    assert response.json["error"]["code"] == "client_closed_request"
+    assert response.json["error"] == {
+        "code": "client_closed_request",
+        "message": "the client closed its connection before its request was scored",
+    }
     assert scorer.calls == [] and checks == [0]  # asked once, before any engine call
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "semif_serve.access"]
     assert [(line["status"], line.get("error")) for line in lines] == [
@@ -57,7 +61,7 @@ def test_a_request_whose_client_is_still_there_is_scored(path):
     app, scorer = fake_app()
     api = testing.TestClient(app)
     response = api.simulate_post(
-        path, json=BODIES[path], headers=AUTH, extras={CLIENT_GONE_KEY: lambda: False}
+        path.split("?")[0], json=BODIES[path], headers=AUTH, extras={CLIENT_GONE_KEY: lambda: False}
     )
     assert response.status_code == 200, response.text
     assert len(scorer.calls) == 1

@@ -84,8 +84,13 @@ def test_past_the_deadline_only_bytes_already_there_are_taken(pair):
     reader.deadline = time.monotonic() - 1
     pair[1].sendall(b"here")
     assert reader.recv(10) == b"here"
-    with pytest.raises(TimeoutError, match="^the read deadline passed$"):  # at once, not waited
-        reader.recv(10)
+    watchdog = threading.Timer(3, pair[1].sendall, (b"late",))  # a read that waited gets these
+    watchdog.start()
+    try:
+        with pytest.raises(TimeoutError, match="^the read deadline passed$"):  # at once
+            reader.recv(10)
+    finally:
+        watchdog.cancel()
     assert pair[0].gettimeout() is None
 
 
