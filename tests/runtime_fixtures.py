@@ -99,18 +99,18 @@ def runtime(*specs, factory=None, clock=None, source_check=None, **overrides):
 class Held:
     """A request holding a lease in its own thread until `finish()`."""
 
-    def __init__(self, rt: Runtime, model_id: str | None = None, timeout_s=None):
+    def __init__(self, rt: Runtime, model_id: str | None = None, timeout_s=None, gone=None):
         self.admitted = threading.Event()
         self.done = threading.Event()
         self._finish = threading.Event()
         self.error: BaseException | None = None
         self.engine = None
-        self.thread = threading.Thread(target=self._run, args=(rt, model_id, timeout_s))
+        self.thread = threading.Thread(target=self._run, args=(rt, model_id, timeout_s, gone))
         self.thread.start()
 
-    def _run(self, rt, model_id, timeout_s):
+    def _run(self, rt, model_id, timeout_s, gone):
         try:
-            with rt.lease(model_id, timeout_s) as engine:
+            with rt.lease(model_id, timeout_s, gone) as engine:
                 self.engine = engine
                 self.admitted.set()
                 assert self._finish.wait(WAIT_S), "test never finished the held request"

@@ -8,6 +8,7 @@ from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wa
 
 from semif_serve.errors import (
     BadManagementRequest,
+    ClientGone,
     InsufficientMemory,
     ModelLoadFailed,
     ModelNotFound,
@@ -106,6 +107,63 @@ def test_a_queued_request_past_its_timeout_gets_server_busy_and_leaves_the_queue
     late = Held(rt, "a").finish()  # the timeout ends it; the holder still runs
     assert isinstance(late.error, QueueTimedOut)
     assert str(late.error) == "waited 0.05 s for model 'a'"
+    assert queued(rt) == 0
+    holder.finish()
+
+
+def test_a_queued_request_whose_caller_left_leaves_the_queue_and_the_next_is_admitted():
+    rt = runtime(spec("a"))
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    asked, left = threading.Event(), threading.Event()
+
+    def gone() -> bool:
+        asked.set()
+        return left.is_set()
+
+    waiting = Held(rt, "a", gone=gone)
+    behind = Held(rt, "a")
+    wait_until(lambda: queued(rt) == 2)
+    assert asked.wait(WAIT_S)  # asked while it waits, not only at its turn
+    left.set()
+    assert waiting.done.wait(WAIT_S)  # gone while the holder still holds the model
+    assert isinstance(waiting.error, ClientGone)
+    assert str(waiting.error) == (
+        "the client closed its connection: the caller left while waiting for model 'a'"
+    )
+    assert queued(rt) == 1 and not behind.admitted.is_set()
+    holder.finish()
+    assert behind.admitted.wait(WAIT_S)
+    behind.finish()
+
+
+def test_a_queued_request_whose_caller_stays_is_admitted_in_its_turn():
+    rt = runtime(spec("a"))
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    asked = threading.Event()
+
+    def gone() -> bool:
+        asked.set()
+        return False
+
+    staying = Held(rt, "a", gone=gone)
+    assert asked.wait(WAIT_S)
+    asked.clear()
+    assert asked.wait(WAIT_S)  # asked again: the wait polls
+    assert queued(rt) == 1
+    holder.finish()
+    assert staying.admitted.wait(WAIT_S)
+    assert staying.error is None
+    staying.finish()
+
+
+def test_a_caller_that_stays_still_gets_its_queue_timeout():
+    rt = runtime(spec("a"), queue_timeout_s=0.05)
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    late = Held(rt, "a", gone=lambda: False).finish()
+    assert isinstance(late.error, QueueTimedOut)
     assert queued(rt) == 0
     holder.finish()
 

@@ -10,8 +10,10 @@ the order they called in:
   admitted request has finished; it then holds the model alone. Requests behind it wait, even
   when slots are free: nothing barges past a manager.
 A waiter leaves the queue on every path out of its wait: admitted, past its timeout
-(`QueueTimeout`), or whatever else raised (a clock, the condition, an interrupt); the waiters
-behind it are woken. No lock here is held while a model loads, runs or is torn down.
+(`QueueTimeout`), its caller gone (`WaiterGone`: a request's `gone` check, asked every
+GONE_POLL_S while it waits, says its client closed the connection), or whatever else raised (a
+clock, the condition, an interrupt); the waiters behind it are woken. No lock here is held
+while a model loads, runs or is torn down.
 """
 
 from __future__ import annotations
@@ -36,10 +38,17 @@ UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
 # The longest a waiter waits (30 days). Longer timeouts are clamped before any arithmetic: a
 # 400-digit integer overflows a float deadline, and Condition.wait refuses more than ~9.2e9 s.
 MAX_WAIT_S = 30 * 24 * 3600.0
+GONE_POLL_S = 0.25  # how often a waiting request asks whether its caller is still there
+
+
 
 
 class QueueTimeout(Exception):
     """Waited longer than the queue timeout; the waiter left the queue and holds nothing."""
+
+
+class WaiterGone(Exception):
+    """The request's caller went away while it waited; it left the queue and holds nothing."""
 
 
 @dataclass(eq=False)
@@ -94,12 +103,18 @@ class ModelEntry:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None, load: Callable[[ModelEntry], None]) -> Any:
-        """Wait for a slot (FIFO), load the model if needed, and return its engine."""
+    def acquire(
+        self,
+        timeout: float | None,
+        load: Callable[[ModelEntry], None],
+        gone: Callable[[], bool] | None = None,
+    ) -> Any:
+        """Wait for a slot (FIFO), load the model if needed, and return its engine. `gone`:
+        asked while the request waits; True makes it leave the queue (`WaiterGone`)."""
         waiter = _Waiter(is_request=True)
         with self._cond:
             self._queue.append(waiter)
-            self._admit(waiter, timeout, self._request_may_enter)
+            self._admit(waiter, timeout, self._request_may_enter, gone)
             self._active += 1
             self._cond.notify_all()  # the next request may take a spare slot
         try:
@@ -154,7 +169,7 @@ class ModelEntry:
         self, waiter: _Waiter, operation: Callable[[ModelEntry], Any], timeout: float | None
     ) -> Any:
         with self._cond:
-            self._admit(waiter, timeout, self._manager_may_enter)
+            self._admit(waiter, timeout, self._manager_may_enter, None)
             self._managed = True
         try:
             return operation(self)
@@ -226,17 +241,21 @@ class ModelEntry:
 
     # -- waiting --------------------------------------------------------------------------------
 
-    def _admit(self, waiter: _Waiter, timeout: float | None, may_enter) -> None:
+    def _admit(
+        self, waiter: _Waiter, timeout: float | None, may_enter, gone: Callable[[], bool] | None
+    ) -> None:
         """Wait (holding the condition) until `may_enter`, then leave the head of the queue.
         Any other way out of the wait also leaves the queue, so no waiter is ever stranded."""
         try:
-            self._wait_for(waiter, timeout, may_enter)
+            self._wait_for(waiter, timeout, may_enter, gone)
         except BaseException:
             self._leave(waiter)
             raise
         self._queue.popleft()
 
-    def _wait_for(self, waiter: _Waiter, timeout: float | None, may_enter) -> None:
+    def _wait_for(
+        self, waiter: _Waiter, timeout: float | None, may_enter, gone: Callable[[], bool] | None
+    ) -> None:
         if timeout:
             timeout = min(MAX_WAIT_S, timeout)  # in this order, a NaN becomes MAX_WAIT_S too
         deadline = None if not timeout else time.monotonic() + timeout
@@ -244,6 +263,10 @@ class ModelEntry:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise QueueTimeout(f"waited {timeout:g} s for model {self.spec.id!r}")
+            if gone is not None:
+                if gone():
+                    raise WaiterGone(f"the caller left while waiting for model {self.spec.id!r}")
+                remaining = GONE_POLL_S if remaining is None else min(remaining, GONE_POLL_S)
             self._cond.wait(remaining)
 
     def _leave(self, waiter: _Waiter) -> None:

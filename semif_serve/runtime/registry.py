@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from semif_serve.errors import (
     BadManagementRequest,
+    ClientGone,
     InsufficientMemory,
     ModelLoadFailed,
     ModelNotFound,
@@ -33,6 +34,7 @@ from semif_serve.runtime.entry import (
     UNLOADED,
     ModelEntry,
     QueueTimeout,
+    WaiterGone,
 )
 from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
 
@@ -95,13 +97,21 @@ class Runtime:
     # -- requests -------------------------------------------------------------------------------
 
     @contextmanager
-    def lease(self, model_id: str | None, timeout_s: float | None = None) -> Iterator[Any]:
-        """The model's engine for one request, admitted in FIFO order within the queue timeout."""
+    def lease(
+        self,
+        model_id: str | None,
+        timeout_s: float | None = None,
+        gone: Callable[[], bool] | None = None,
+    ) -> Iterator[Any]:
+        """The model's engine for one request, admitted in FIFO order within the queue timeout;
+        a request whose `gone` check says its caller left meanwhile leaves the queue."""
         entry = self.entry(model_id)
         try:
-            engine = entry.acquire(self.queue_timeout(timeout_s), self._load_admitted)
+            engine = entry.acquire(self.queue_timeout(timeout_s), self._load_admitted, gone)
         except QueueTimeout as error:
             raise QueueTimedOut(str(error)) from None
+        except WaiterGone as error:
+            raise ClientGone(f"the client closed its connection: {error}") from None
         try:
             yield engine
         finally:

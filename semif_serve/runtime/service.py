@@ -138,10 +138,11 @@ class DecisionService:
         client_gone: ClientCheck | None,
         decisions,
     ) -> Any:
-        """Lease the model and, unless the caller has gone meanwhile, run the engine call; a
-        scorer ValueError names its decision."""
+        """Lease the model and, unless the caller has gone meanwhile (checked while it waits
+        and once more when it holds the model), run the engine call; a scorer ValueError names
+        its decision."""
         model_id, timeout_s = route
-        with self._runtime.lease(model_id, timeout_s) as engine:
+        with self._runtime.lease(model_id, timeout_s, client_gone) as engine:
             if client_gone is not None and client_gone():
                 raise ClientGone("the client closed its connection before its request was scored")
             try:
