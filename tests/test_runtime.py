@@ -485,3 +485,44 @@ def test_the_memory_budget_refuses_a_model_when_busy_ones_hold_it():
     assert isinstance(refused.error, InsufficientMemory) and "needs 3.00 GiB" in str(refused.error)
     assert rt.entry("b").status()["state"] == "unloaded" and ("close", "b") in factory.events
     busy.finish()
+
+
+# --- issue 22.8: waiting for another request's load is bounded, and its failure is shared ---
+
+
+def test_a_request_waiting_for_a_load_gets_server_busy_at_its_own_timeout():
+    factory = Factory()
+    factory.load_gate = threading.Event()
+    rt = runtime(spec("a", slots=2), factory=factory)
+    loader = Held(rt, "a")  # admitted first: it loads
+    assert factory.load_started.wait(WAIT_S)
+    waiter = Held(rt, "a", timeout_s=0.05).finish()  # admitted to the spare slot, then waits
+    assert isinstance(waiter.error, QueueTimedOut)
+    assert str(waiter.error) == "waited 0.05 s for model 'a' (it was loading)"
+    assert rt.entry("a")._active == 1  # its slot was released; the load goes on
+    factory.load_gate.set()
+    assert loader.admitted.wait(WAIT_S)
+    loader.finish()
+    assert factory.events == [("load", "a")]
+
+
+def test_one_failed_load_answers_every_request_that_waited_for_it():
+    factory = Factory()
+    factory.load_gate = threading.Event()
+    factory.fail_next_load = ModelLoadFailed("the weights are broken")
+    rt = runtime(spec("a", slots=4), factory=factory)
+    loader = Held(rt, "a")
+    assert factory.load_started.wait(WAIT_S)
+    waiters = [Held(rt, "a") for _ in range(3)]
+    wait_until(lambda: rt.entry("a")._active == 4)  # all admitted, three waiting on the load
+    factory.load_gate.set()
+    for held in [loader, *waiters]:
+        assert held.done.wait(WAIT_S)
+        assert isinstance(held.error, ModelLoadFailed)
+        assert "the weights are broken" in str(held.error)
+    assert factory.events == [("load", "a")]  # one load, not one per waiter
+    assert rt.entry("a")._active == 0 and rt.entry("a").state == "unloaded"
+    retry = Held(rt, "a")  # a later request tries a new load, which works
+    assert retry.admitted.wait(WAIT_S)
+    retry.finish()
+    assert factory.events == [("load", "a"), ("load", "a")]

@@ -5,7 +5,8 @@ unloaded), under one condition variable per model. Requests and managers wait in
 the order they called in:
 - a request is admitted when it is at the head, no manager holds the model and a slot is free;
   consecutive requests fill spare slots. The first admitted request of an unloaded model loads
-  it; other admitted requests wait for that load (and retry it if it fails).
+  it; other admitted requests wait for that load, within their own queue timeout, and when it
+  fails they all get its error (a later request tries a new load).
 - a manager (register, reconfigure, unload) is admitted when it is at the head and every earlier
   admitted request has finished; it then holds the model alone. Requests behind it wait, even
   when slots are free: nothing barges past a manager.
@@ -57,6 +58,15 @@ class _Waiter:
     enqueued: float = field(default_factory=time.monotonic)
 
 
+def _same_failure(error: BaseException) -> BaseException:
+    """A fresh exception saying what `error` says, for another thread to raise (one instance
+    raised in several threads would share, and garble, its traceback)."""
+    try:
+        return type(error)(*error.args)
+    except Exception:
+        return RuntimeError(str(error))
+
+
 class ModelEntry:
     def __init__(self, spec: ModelSpec, clock: Callable[[], float] = time.monotonic):
         self.spec = spec
@@ -70,6 +80,8 @@ class ModelEntry:
         self._queue: deque[_Waiter] = deque()
         self._active = 0
         self._managed = False
+        self._loads = 0  # loads started by requests: a waiter knows which one it waited for
+        self._failed_load: tuple[int, BaseException] | None = None  # the last one that failed
 
     # -- observation (no reservation, no timer reset) -----------------------------------------
 
@@ -118,7 +130,7 @@ class ModelEntry:
             self._active += 1
             self._cond.notify_all()  # the next request may take a spare slot
         try:
-            return self._ready_engine(load)
+            return self._ready_engine(load, timeout, waiter.enqueued)
         except BaseException:
             self.release()
             raise
@@ -137,20 +149,41 @@ class ModelEntry:
             and self.state in (UNLOADED, LOADING, READY)
         )
 
-    def _ready_engine(self, load: Callable[[ModelEntry], None]) -> Any:
-        """An admitted request's engine: wait for a load in progress, or do the load itself."""
+    def _ready_engine(
+        self, load: Callable[[ModelEntry], None], timeout: float | None, since: float
+    ) -> Any:
+        """An admitted request's engine: wait for a load in progress (within what is left of
+        its queue timeout, counted from `since`; its failure is this request's too), or do the
+        load itself."""
         with self._cond:
-            while self.state == LOADING:
-                self._cond.wait()
+            if self.state == LOADING:
+                awaited = self._loads
+                self._wait_for_load(timeout, since)
+                failed = self._failed_load
+                if self.state != READY and failed is not None and failed[0] == awaited:
+                    raise _same_failure(failed[1])
             if self.state == READY:
                 return self.engine
             self.state = LOADING
+            self._loads += 1
         try:
             load(self)
-        except BaseException:
-            self.abort_load()
+        except BaseException as error:
+            self.abort_load(error)
             raise
         return self.engine
+
+    def _wait_for_load(self, timeout: float | None, since: float) -> None:
+        if timeout:
+            timeout = min(MAX_WAIT_S, timeout)  # in this order, a NaN becomes MAX_WAIT_S too
+        deadline = None if not timeout else since + timeout
+        while self.state == LOADING:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise QueueTimeout(
+                    f"waited {timeout:g} s for model {self.spec.id!r} (it was loading)"
+                )
+            self._cond.wait(remaining)
 
     # -- management ----------------------------------------------------------------------------
 
@@ -213,12 +246,15 @@ class ModelEntry:
             self.last_load_error = None
             self._cond.notify_all()
 
-    def abort_load(self) -> None:
+    def abort_load(self, error: BaseException | None = None) -> None:
         """A load that published nothing returns to unloaded (a later request retries it), and
-        the admitted requests waiting for it wake."""
+        the admitted requests waiting for it wake; a request's load that failed with `error`
+        hands it to them."""
         with self._cond:
             if self.state == LOADING:
                 self.state = UNLOADED
+            if error is not None:
+                self._failed_load = (self._loads, error)
             self._cond.notify_all()
 
     def record_load_error(self, message: str) -> None:
