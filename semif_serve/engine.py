@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from semif_serve.errors import OutOfMemory, ScoringFailed
-from semif_serve.scoring.rows import Row
+from semif_serve.scoring.rows import Row, RowError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Engine:
         with self._lock:
             try:
                 result = method(argument)
-            except ValueError:
+            except RowError:  # the project's own refusal of a row: the caller's 422
                 raise
             except Exception as error:
                 failure = self._failure(error)
@@ -143,12 +143,19 @@ class Engine:
             self._torch.cuda.empty_cache()
 
 
+OOM_MESSAGES = (
+    "out of memory",  # CUDA, cuBLAS, cuDNN
+    "can't allocate memory",  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate ..."
+)
+
+
 def is_out_of_memory(error: BaseException, torch_module: Any) -> bool:
-    """torch's OOM error, or a RuntimeError (cuBLAS, cuDNN, CUDA) whose message says so, or an
-    `OutOfMemory` a scorer raised itself."""
+    """torch's OOM error, or a RuntimeError (CPU allocator, cuBLAS, cuDNN, CUDA) whose message
+    says so, or an `OutOfMemory` a scorer raised itself."""
     if isinstance(error, OutOfMemory):
         return True
     oom_type = getattr(torch_module, "OutOfMemoryError", None)  # torch.cuda's, exported at top
     if oom_type is not None and isinstance(error, oom_type):
         return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(words in text for words in OOM_MESSAGES)

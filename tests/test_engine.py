@@ -1,13 +1,16 @@
 """The engine's lock and memory policy against a fake torch (contract INV-2, INV-4; C4, C5, S9)."""
 
+import logging
+
 import pytest
 from fake_torch import GIB, MIB, FakeTorch
 from fakes import WAIT_S, FakeScorer
 from runtime_fixtures import Background
 
-from semif_serve.engine import EMPTY_OOM_MESSAGE, RELEASE_MARGIN_BYTES, Engine
+from semif_serve.engine import EMPTY_OOM_MESSAGE, RELEASE_MARGIN_BYTES, Engine, is_out_of_memory
 from semif_serve.errors import OutOfMemory, ScoringFailed
 from semif_serve.scoring import parse_row
+from semif_serve.scoring.rows import RowError
 
 ROW = parse_row(
     {
@@ -89,13 +92,39 @@ def test_an_empty_runtime_error_is_a_scoring_failure_not_an_oom():
         engine.score(ROW)
 
 
-def test_value_errors_pass_through_untouched_and_release_nothing():
+def test_row_refusals_pass_through_untouched_and_release_nothing():
     torch = FakeTorch()
-    error = ValueError("options: bad")
-    with pytest.raises(ValueError) as caught:
+    error = RowError("options: bad")
+    with pytest.raises(RowError) as caught:
         gpu_engine(FakeScorer(error=error), torch).score(ROW)
     assert caught.value is error
     assert torch.cuda.empty_cache_calls == []
+
+
+def test_a_value_error_from_torch_is_a_logged_scoring_failure_not_the_callers(caplog):
+    torch = FakeTorch()
+    error = ValueError("Expected input batch_size (1) to match target batch_size (2)")
+    with caplog.at_level(logging.ERROR), pytest.raises(ScoringFailed) as caught:
+        gpu_engine(FakeScorer(error=error), torch).score(ROW)
+    assert str(caught.value) == (
+        "scoring failed: ValueError: Expected input batch_size (1) to match target batch_size (2)"
+    )
+    logged = [record.getMessage() for record in caplog.records]
+    assert len(logged) == 1 and "Traceback" in logged[0] and "batch_size" in logged[0]
+    assert torch.cuda.empty_cache_calls != []  # released like any failed call
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 9663676416 bytes",
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "CUBLAS_STATUS_ALLOC_FAILED: Out Of Memory",
+    ],
+)
+def test_allocation_failures_are_out_of_memory_on_the_cpu_and_the_gpu(message):
+    assert is_out_of_memory(RuntimeError(message), FakeTorch())
+    assert not is_out_of_memory(ValueError(message), FakeTorch())  # only RuntimeErrors say so
 
 
 class Grows(FakeScorer):

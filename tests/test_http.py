@@ -10,6 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from semif_serve.errors import OutOfMemory
 from semif_serve.runtime.service import SEMIF_COMMIT
+from semif_serve.scoring.prompt import PromptRejected
+from semif_serve.scoring.rows import RowError
 
 
 def client(scorer=None, **overrides):
@@ -190,8 +192,12 @@ def test_an_unknown_workload_is_422(path):
 @pytest.mark.parametrize(
     ("error", "status", "code"),
     [
-        (ValueError("max_tokens: the prompt has 5000 tokens"), 422, "invalid_request"),
+        (RowError("max_tokens: the prompt has 5000 tokens"), 422, "invalid_request"),
+        (PromptRejected("letter guard: letters share a token"), 422, "invalid_request"),
         (OutOfMemory("CUDA out of memory"), 503, "out_of_memory"),
+        # torch or transformers refusing something is the server's fault, never the caller's
+        (ValueError("Expected input batch_size (1) to match"), 500, "scoring_failed"),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: 9 GB"), 503, "out_of_memory"),
         (RuntimeError("kernel exploded"), 500, "scoring_failed"),
         (KeyError("boom"), 500, "scoring_failed"),
     ],
@@ -200,13 +206,12 @@ def test_scorer_failures_map_to_the_error_table(error, status, code):
     api, _ = client(FakeScorer(error=error))
     message = assert_error(api.simulate_post("/decide", json=row(), headers=AUTH), status, code)
     if status == 422:
-        assert "max_tokens" in message
+        assert message == str(error)  # the scorer's own words, naming the field or guard
     assert api.simulate_get("/health").status_code == 200  # and the service stays up
 
 
 def test_a_scorer_value_error_in_a_shared_call_names_the_decision():
-    error = ValueError("rows[1]: max_tokens: the prompt has 5000 tokens")
-    error.row_index = 1
+    error = RowError("rows[1]: max_tokens: the prompt has 5000 tokens", row_index=1)
     api, _ = client(FakeScorer(error=error))
     body = {"state": "s", "decisions": [decision("a"), decision("b")]}
     message = assert_error(
@@ -327,8 +332,7 @@ def test_a_scorer_returning_the_wrong_number_of_results_is_a_500_envelope():
     ],
 )
 def test_a_scorer_value_error_on_decide_names_its_row(extra, index, expected):
-    error = ValueError(f"rows[{index}]: too long")
-    error.row_index = index
+    error = RowError(f"rows[{index}]: too long", row_index=index)
     api, _ = client(FakeScorer(error=error))
     response = api.simulate_post("/decide", json=row(**extra), headers=AUTH)
     assert assert_error(response, 422, "invalid_request") == expected

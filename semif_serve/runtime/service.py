@@ -5,8 +5,10 @@ ordering, leases the requested model from the runtime (FIFO, within the queue ti
 every row of a request to its engine in a single call (one `score` for a plain /decide, else one
 `score_shared`), and builds the reply: native results untouched (INV-1), plus `calibrated` or
 `combined` next to them. A request whose client has gone by the time it holds the model is
-dropped unscored (`ClientGone`). A scorer ValueError becomes `InvalidRequest` (422); any
-failure while building the reply becomes `ScoringFailed` (500, bug hunt C3).
+dropped unscored (`ClientGone`). A row the scorer refused (`RowError`) becomes
+`InvalidRequest` (422); any other scorer failure is the engine's (500 `scoring_failed`, logged
+with its traceback, or 503 `out_of_memory`), and any failure while building the reply becomes
+`ScoringFailed` (500, bug hunt C3).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from semif_serve.decisions import (
 )
 from semif_serve.errors import ClientGone, InvalidRequest, ScoringFailed
 from semif_serve.runtime.registry import Runtime
-from semif_serve.scoring.rows import InvalidRow, Row, parse_row
+from semif_serve.scoring.rows import InvalidRow, Row, RowError, parse_row
 
 SEMIF_COMMIT = "23cf1f39fc9534fe81437200959b6dfc7106e45a"
 ROW_KEYS = ("id", "state", "question", "options")
@@ -139,15 +141,15 @@ class DecisionService:
         decisions,
     ) -> Any:
         """Lease the model and, unless the caller has gone meanwhile (checked while it waits
-        and once more when it holds the model), run the engine call; a scorer ValueError names
-        its decision."""
+        and once more when it holds the model), run the engine call; a row the scorer refused
+        (RowError) is a 422 naming its decision; any other failure is the engine's 500/503."""
         model_id, timeout_s = route
         with self._runtime.lease(model_id, timeout_s, client_gone) as engine:
             if client_gone is not None and client_gone():
                 raise ClientGone("the client closed its connection before its request was scored")
             try:
                 return call(engine)
-            except ValueError as error:
+            except RowError as error:  # only the scorer's own refusals are the caller's fault
                 raise InvalidRequest(_locate(error, decisions)) from None
 
     def _workload(self, body: dict[str, Any]) -> str | None:
@@ -252,7 +254,7 @@ def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
     return model_id, timeout_s
 
 
-def _locate(error: ValueError, decisions: list[_Decision]) -> str:
+def _locate(error: RowError, decisions: list[_Decision]) -> str:
     index = getattr(error, "row_index", None)
     message = str(error)
     if index is None:
