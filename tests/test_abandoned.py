@@ -4,9 +4,10 @@ model, just before the engine call. Real sockets: tests/test_hostile_wire.py."""
 
 import json
 import logging
+import threading
 
 import pytest
-from fakes import AUTH, decision, fake_app, row
+from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_app, row
 from falcon import testing
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,3 +84,39 @@ def test_a_dropped_request_frees_its_slot_for_the_next():
     assert first.status_code == 499
     second = api.simulate_post("/decide", json=row(), headers=AUTH)
     assert second.status_code == 200 and len(scorer.calls) == 1
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_a_queued_request_whose_client_left_leaves_while_the_model_is_busy(path):
+    scorer = FakeScorer(block=True)
+    app, _ = fake_app(scorer)
+    api = testing.TestClient(app)
+    holder = threading.Thread(
+        target=api.simulate_post, args=("/decide",), kwargs={"json": row(), "headers": AUTH}
+    )
+    holder.start()
+    try:
+        assert scorer.entered.wait(WAIT_S)
+        left = threading.Event()
+        replies = []
+
+        def queued() -> None:
+            response = api.simulate_post(
+                path.split("?")[0],
+                json=BODIES[path],
+                headers=AUTH,
+                extras={CLIENT_GONE_KEY: left.is_set},
+            )
+            replies.append(response)
+
+        waiter = threading.Thread(target=queued)
+        waiter.start()
+        left.set()
+        waiter.join(WAIT_S)  # answered while the holder still holds the model
+        assert not waiter.is_alive() and not scorer.release.is_set()
+        assert replies[0].status_code == 499
+        assert replies[0].json["error"]["code"] == "client_closed_request"
+    finally:
+        scorer.release.set()
+        holder.join(WAIT_S)
+    assert len(scorer.calls) == 1  # the holder's only

@@ -7,7 +7,9 @@
   shortcuts gave (`reference_encode_shared`), prompts, prefix and rejections alike.
 Texts are adversarial: added tokens and near misses, whitespace runs, combining marks (NFC),
 Hangul jamo, digits, `}]}`, quotes, backslashes, emoji, non-ASCII letters, near-empty states.
-`reference_*` are also the "before" side of bench/test_encode_speed.py.
+`reference_*` are also the "before" side of bench/test_encode_speed.py. A row whose text holds
+an added token's text has its user turn encoded as plain text (`reference_ids`; see
+tests/test_control_tokens.py), every other prompt is encoded whole.
 """
 
 from __future__ import annotations
@@ -48,14 +50,45 @@ from semif_serve.scoring.shared_prompts import (
 )
 
 
-def reference_boundary(tokenizer, texts, ids, letter_ids) -> None:
+def holds_added_text(tokenizer, message: str) -> bool:
+    return any(token.content in message for token in tokenizer.added_tokens_decoder.values())
+
+
+def reference_ids(tokenizer, text: str, message: str) -> list[int]:
+    """A rendered prompt's ids (or a prompt + letter's, or a prompt's start): its whole text
+    encoded, except that when the user message holds an added token's text, the user turn
+    ("user\n" + message, after the template's <|im_start|>) is encoded as plain text with
+    transformers' own `split_special_tokens=True` (every added token of the tokenizers here is
+    special) and the template's text around it as usual."""
+    if not holds_added_text(tokenizer, message):
+        return encode(tokenizer, text)
+    start = text.index("<|im_start|>user\n") + len("<|im_start|>")
+    stop = min(len(text), start + len("user\n") + len(message))
+    turn = tokenizer.encode(text[start:stop], add_special_tokens=False, split_special_tokens=True)
+    return encode(tokenizer, text[:start]) + turn + encode(tokenizer, text[stop:])
+
+
+def reference_encode_texts(tokenizer, texts, messages=None) -> list[list[int]]:
+    """`reference_ids` of each text (messages[i]: text i's user message; None: encode whole)."""
+    ids = encode_many(tokenizer, texts)
+    for index, message in enumerate(messages or []):
+        if holds_added_text(tokenizer, message):
+            ids[index] = reference_ids(tokenizer, texts[index], message)
+    return ids
+
+
+def reference_boundary(tokenizer, texts, ids, letter_ids, messages=None) -> None:
     """The answer-boundary guard before the shortcut: every whole prompt + letter encoded."""
     probes = [
         (index, letter, letter_id)
         for index, row_letters in enumerate(letter_ids)
         for letter, letter_id in zip(LETTERS, row_letters)
     ]
-    encoded = encode_many(tokenizer, [texts[index] + letter for index, letter, _ in probes])
+    encoded = reference_encode_texts(
+        tokenizer,
+        [texts[index] + letter for index, letter, _ in probes],
+        None if messages is None else [messages[index] for index, _, _ in probes],
+    )
     for (index, letter, letter_id), with_letter in zip(probes, encoded):
         if with_letter != ids[index] + [letter_id]:
             raise PromptRejected(
@@ -75,7 +108,8 @@ def _indexed(index, check, *args):
 def reference_encode_prompts(tokenizer, rows, max_tokens) -> list[EncodedPrompt]:
     """`encode_prompts` before the shortcuts: every prompt encoded whole, every guard."""
     texts = [_indexed(index, render, tokenizer, row) for index, row in enumerate(rows)]
-    ids = encode_many(tokenizer, texts)
+    messages = [user_message(row) for row in rows]
+    ids = reference_encode_texts(tokenizer, texts, messages)
     for index, row_ids in enumerate(ids):
         _indexed(index, check_length, row_ids, max_tokens)
     by_count: dict[int, list[int]] = {}
@@ -86,7 +120,7 @@ def reference_encode_prompts(tokenizer, rows, max_tokens) -> list[EncodedPrompt]
                 index, letter_token_ids, tokenizer, len(row.options)
             )
         letter_ids.append(by_count[len(row.options)])
-    reference_boundary(tokenizer, texts, ids, letter_ids)
+    reference_boundary(tokenizer, texts, ids, letter_ids, messages)
     return [EncodedPrompt(*fields) for fields in zip(texts, ids, letter_ids)]
 
 
@@ -105,7 +139,8 @@ def reference_encode_shared(tokenizer, rows, max_tokens):
             "shared prefix guard: the chat template changed the user message, so the state "
             "prefix cannot be located"
         )
-    prefix_ids = encode(tokenizer, text[: position + len(state_head(parsed[0]))])[:-1]
+    head = text[: position + len(state_head(parsed[0]))]
+    prefix_ids = reference_ids(tokenizer, head, user_message(parsed[0]))[:-1]
     if not prefix_ids:
         raise PromptRejected("shared prefix guard: the state prefix encodes to no tokens")
     return parsed, prompts, shared_prefix(prefix_ids, prompts)

@@ -168,6 +168,24 @@ def test_a_caller_that_stays_still_gets_its_queue_timeout():
     holder.finish()
 
 
+def test_polling_for_a_gone_caller_never_sleeps_past_the_queue_timeout():
+    rt = runtime(spec("a"), queue_timeout_s=0.05)
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    condition, waits = rt.entry("a")._cond, []
+    real_wait = condition.wait
+
+    def recording_wait(timeout=None):
+        waits.append(timeout)
+        return real_wait(timeout)
+
+    condition.wait = recording_wait
+    late = Held(rt, "a", gone=lambda: False).finish()
+    assert isinstance(late.error, QueueTimedOut)
+    assert waits and all(timeout is not None and timeout <= 0.05 for timeout in waits)
+    holder.finish()
+
+
 def test_a_request_may_only_lower_the_queue_timeout():
     rt = runtime(spec("a"), queue_timeout_s=30)
     assert rt.queue_timeout(0.5) == 0.5

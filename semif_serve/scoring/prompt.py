@@ -2,6 +2,9 @@
 
 A row becomes `EncodedPrompt` (text, token ids, the option letters' token ids, sha256) or a
 `PromptRejected` (a ValueError) naming the guard that failed. Nothing is ever truncated.
+Caller text is always text (`layout`, `plain_text`): a prompt is cut around its user message,
+and that piece is encoded without the control tokens, which only the template writes; a prompt
+whose caller text holds none gets exactly the ids of encoding its whole text, as upstream.
 The answer-boundary guard re-encodes only the text after a prompt's last added token when the
 tokenizer is known to encode that piece on its own (`added_tokens`); its verdicts are exactly
 those of re-encoding the whole prompt + letter (tests/test_prompt_fastpath.py).
@@ -9,11 +12,14 @@ those of re-encoding the whole prompt + letter (tests/test_prompt_fastpath.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from semif_serve.scoring.plain_text import control_tokens, plain_text
 from semif_serve.scoring.rows import Row, RowError
 from semif_serve.state_key import state_json
 
@@ -66,17 +72,18 @@ def state_head(row: Row) -> str:
     return '{"evidence": ' + state_json(row.state)
 
 
-def messages(row: Row) -> list[dict[str, str]]:
+def messages(row: Row, user: str | None = None) -> list[dict[str, str]]:
+    """The two chat messages; `user`: the row's `user_message`, when already computed."""
     return [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": user_message(row)},
+        {"role": "user", "content": user_message(row) if user is None else user},
     ]
 
 
-def render(tokenizer: ChatTokenizer, row: Row) -> str:
+def render(tokenizer: ChatTokenizer, row: Row, user: str | None = None) -> str:
     """The chat template's text for the row, ready for the assistant's first token."""
     text = tokenizer.apply_chat_template(
-        messages(row), tokenize=False, add_generation_prompt=True, enable_thinking=False
+        messages(row, user), tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
     if not isinstance(text, str):
         raise PromptRejected("chat template: rendering did not return text")
@@ -188,6 +195,17 @@ class AddedTokens:
         object.__setattr__(self, "longest", max(map(len, self.contents), default=0))
         endings = tuple(content for content in self.contents if content[-1] in LETTERS)
         object.__setattr__(self, "letter_endings", endings)
+
+    @property
+    def starts(self) -> re.Pattern:
+        """Matches (empty) where a content starts; group 1: the longest content starting there."""
+        return _starts_pattern(self.contents)
+
+
+@functools.lru_cache(maxsize=16)
+def _starts_pattern(contents: tuple[str, ...]) -> re.Pattern:
+    alternatives = "|".join(map(re.escape, sorted(contents, key=len, reverse=True)))
+    return re.compile(f"(?=({alternatives or '(?!)'}))")
 
 
 TAIL_WINDOW = 512  # characters searched first for a prompt's last added token (found near its end)
@@ -318,15 +336,174 @@ def encode_prompts(
     """Render and encode many rows' prompts with every guard, tokenizing each stage in one batch.
 
     A failure is a `PromptRejected` whose `row_index` is the row's position: the first guard (in
-    the order render, length, letters, answer boundary) that any row fails, first row first.
+    the order render, control tokens, length, letters, answer boundary) that any row fails,
+    first row first.
     """
-    texts = render_all(tokenizer, rows)
-    return guard_prompts(tokenizer, rows, texts, encode_many(tokenizer, texts), max_tokens)
+    users = [user_message(row) for row in rows]
+    texts = render_all(tokenizer, rows, users)
+    plan = layout(tokenizer, rows, texts, users)
+    body_ids = encode_many(plan.encoder, plan.bodies)
+    return guard_prompts(
+        tokenizer, rows, texts, plan.join(body_ids), max_tokens, plan.ends(body_ids)
+    )
 
 
-def render_all(tokenizer: ChatTokenizer, rows: list[Row]) -> list[str]:
-    """Every row's rendered prompt; a render failure carries the row's position."""
-    return [_with_index(index, render, tokenizer, row) for index, row in enumerate(rows)]
+def render_all(tokenizer: ChatTokenizer, rows: list[Row], users: list[str]) -> list[str]:
+    """Every row's rendered prompt (users[i]: row i's `user_message`); a render failure carries
+    the row's position."""
+    return [
+        _with_index(index, render, tokenizer, row, user)
+        for index, (row, user) in enumerate(zip(rows, users))
+    ]
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A rendered prompt in three. `head`: the template's text up to and including its last added
+    token before the user message ("" when none); `tail`: the template's text from its first
+    added token after the message; `body`: what lies between, the message and the template's
+    text around it. Only the body holds caller text. `Pieces("", text, "")`: a whole prompt."""
+
+    head: str
+    body: str
+    tail: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a call's rendered prompts are encoded: prompt i is `pieces[i]`, its head and tail
+    encoded by the tokenizer (`outer` holds their ids), its body by `encoder`: the tokenizer's
+    `PlainText`, or the tokenizer itself where every prompt is encoded whole."""
+
+    encoder: Any
+    pieces: list[Pieces]
+    outer: dict[str, list[int]]
+
+    @property
+    def bodies(self) -> list[str]:
+        return [pieces.body for pieces in self.pieces]
+
+    def join(self, body_ids: list[list[int]]) -> list[list[int]]:
+        """Each prompt's token ids, given its body's."""
+        outer = self.outer
+        return [
+            outer[pieces.head] + ids + outer[pieces.tail]
+            for pieces, ids in zip(self.pieces, body_ids)
+        ]
+
+    def ends(self, body_ids: list[list[int]]) -> tuple[list[str], list[list[int]]]:
+        """What each prompt's answer letter follows, and its ids: its tail (which begins at an
+        added token, so the letter cannot reach past it), or its body when it is whole."""
+        texts, ids = [], []
+        for pieces, body in zip(self.pieces, body_ids):
+            texts.append(pieces.tail or pieces.body)
+            ids.append(self.outer[pieces.tail] if pieces.tail else body)
+        return texts, ids
+
+
+def layout(tokenizer: ChatTokenizer, rows: list[Row], texts: list[str], users: list[str]) -> Layout:
+    """How to encode the rows' rendered prompts `texts` (users[i]: row i's `user_message`) so
+    that no caller text becomes a control token: each prompt cut around its user message
+    (`cut_prompt`), that piece encoded by the tokenizer's `PlainText`. Where the tokenizer has
+    no control tokens, or a prompt cannot be cut (no fast backend `added_tokens` vouches for, a
+    template that rewrote the message or writes no added token after it), every prompt is
+    encoded whole; a row whose message then
+    holds a control token is refused (`control tokens:`, carrying its `row_index`), never
+    encoded with it.
+
+    Why a prompt without control tokens in its caller text keeps its ids: a vouched-for tokenizer
+    cuts a text at each added token and encodes the pieces between them on their own; the head
+    ends and the tail begins at such cuts, the body holds no control token, and `PlainText` is
+    the same pipeline with the same other added tokens (tests/test_control_tokens.py)."""
+    control = control_tokens(tokenizer)
+    added = added_tokens(tokenizer) if control else None
+    if added is not None:
+        head_ends: dict[str, int | None] = {}  # the rows' heads are usually one text
+        pieces = [cut_prompt(text, user, added, head_ends) for text, user in zip(texts, users)]
+        if None not in pieces:
+            outer = sorted({p.head for p in pieces} | {p.tail for p in pieces})
+            outer_ids = dict(zip(outer, _encode_template(tokenizer, outer)))
+            return Layout(plain_text(tokenizer, control), pieces, outer_ids)
+    for index, (row, user) in enumerate(zip(rows, users)):
+        _with_index(index, check_no_control_text, row, user, control)
+    return Layout(tokenizer, [Pieces("", text, "") for text in texts], {"": []})
+
+
+def _encode_template(tokenizer: ChatTokenizer, texts: list[str]) -> list[list[int]]:
+    """`encode_many` of the template's pieces, straight through the fast backend when it pads
+    and truncates nothing: what transformers' call does then, less its overhead (the caller
+    has checked through `added_tokens` that it encodes special tokens as such)."""
+    backend = tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        return encode_many(tokenizer, texts)
+    return [backend.encode(text, add_special_tokens=False).ids for text in texts]  # short
+
+
+def cut_prompt(
+    text: str, message: str, added: AddedTokens, head_ends: dict[str, int | None] | None = None
+) -> Pieces | None:
+    """`text` as `Pieces` around its one copy of `message`. None when the message is not there
+    exactly once, an added token's text runs over either end of it, the last added token before
+    it overlaps another (`tail_start`: the tokenizer might cut out the other one), or no added
+    token follows it (the answer letter would follow caller text). `head_ends` memoizes where
+    the last added token of a head ends."""
+    start = text.find(message)
+    if start < 0 or text.find(message, start + 1) >= 0:
+        return None
+    end = start + len(message)
+    if _crosses(text, start, added) or _crosses(text, end, added):
+        return None
+    head = text[:start]
+    head_ends = {} if head_ends is None else head_ends
+    if head not in head_ends:
+        head_ends[head] = _last_end(head, added)
+    follows = added.starts.search(text, end)
+    if head_ends[head] is None or follows is None:
+        return None
+    head_end, tail_begin = head_ends[head], follows.start()
+    return Pieces(text[:head_end], text[head_end:tail_begin], text[tail_begin:])
+
+
+def _last_end(head: str, added: AddedTokens) -> int | None:
+    """Where the last added token in `head` ends: 0 when none occurs, None when it overlaps
+    another occurrence (`tail_start`)."""
+    end = tail_start(head, added)
+    if end is None and _last_occurrence(head, added, 0)[0] < 0:
+        return 0
+    return end
+
+
+def _crosses(text: str, position: int, added: AddedTokens) -> bool:
+    """Whether an added token's text starts before `position` and ends after it."""
+    begin = max(0, position - added.longest + 1)
+    for match in added.starts.finditer(text, begin, position + added.longest - 1):
+        if match.start() >= position:
+            return False
+        if match.start() + len(match.group(1)) > position:
+            return True
+    return False
+
+
+def check_no_control_text(row: Row, message: str, control: frozenset[str]) -> None:
+    """Refuse a row whose user message holds a control token (for prompts encoded whole)."""
+    found = [content for content in control if content in message]
+    if not found:
+        return
+    token = min(found, key=message.find)
+    fields = [("state", state_json(row.state)), ("question", _json(row.question))]
+    fields += [
+        (f"options[{index}].description", _json(option.description))
+        for index, option in enumerate(row.options)
+    ]
+    field = next((name for name, text in fields if token in text), "the user message")
+    raise PromptRejected(
+        f"control tokens: {field} holds {token!r}, which this tokenizer and chat template "
+        "cannot encode as plain text"
+    )
+
+
+def _json(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 def guard_prompts(
@@ -335,9 +512,12 @@ def guard_prompts(
     texts: list[str],
     ids: list[list[int]],
     max_tokens: int,
+    ends: tuple[list[str], list[list[int]]] | None = None,
 ) -> list[EncodedPrompt]:
     """The guards after rendering (length, letters, answer boundary), in that order over all
-    rows, on texts[i] and its token ids ids[i] (exactly what `encode` gives for it)."""
+    rows, on texts[i] and its token ids ids[i]. The answer-boundary guard runs on `ends`
+    (`Layout.ends`: the text each letter follows and its ids), by default the whole texts and
+    ids (then exactly what `encode` gives for each text)."""
     for index, row_ids in enumerate(ids):
         _with_index(index, check_length, row_ids, max_tokens)
     letters_by_count: dict[int, list[int]] = {}
@@ -347,7 +527,8 @@ def guard_prompts(
         if count not in letters_by_count:
             letters_by_count[count] = _with_index(index, letter_token_ids, tokenizer, count)
         letter_ids.append(letters_by_count[count])
-    check_answer_boundary(tokenizer, texts, ids, letter_ids)
+    end_texts, end_ids = (texts, ids) if ends is None else ends
+    check_answer_boundary(tokenizer, end_texts, end_ids, letter_ids)
     return [
         EncodedPrompt(text=text, ids=row_ids, letter_token_ids=row_letters)
         for text, row_ids, row_letters in zip(texts, ids, letter_ids)

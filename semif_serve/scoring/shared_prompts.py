@@ -7,6 +7,10 @@ every other row reuses row 0's tokens before a cut that provably ends a piece th
 encodes on its own in every row (`cut_margin`, `find_cut`), encoding only its own text after it.
 Where that cannot be established, every row is encoded whole.
 
+Caller text stays text (`prompt.layout`): the rows' texts here are the bodies of their prompts
+(the user message and the template's text around it), encoded by the tokenizer's `PlainText`,
+between the template's head and tail.
+
 The state prefix is the rendered text up to and including `{"evidence": <state>`, minus its last
 token, since JSON punctuation can merge with the token after it. Upstream SemIf raises when a
 prompt's tokens do not start with that prefix; here the prefix backs off to the tokens every
@@ -25,11 +29,13 @@ from tokenizers import models
 from semif_serve.scoring.prompt import (
     ChatTokenizer,
     EncodedPrompt,
+    Layout,
     PromptRejected,
     added_tokens,
     encode,
     encode_many,
     guard_prompts,
+    layout,
     render_all,
     state_head,
     user_message,
@@ -55,11 +61,14 @@ def encode_shared(
 ) -> tuple[list[Row], list[EncodedPrompt], list[int]]:
     """(parsed rows, their prompts, the state prefix every prompt's ids begin with)."""
     parsed = check_shared_rows(_parse_rows(rows))
-    texts = _for_rows(render_all, tokenizer, parsed)
-    head_end = state_head_end(parsed[0], texts[0])
-    ids, cut = encode_common(tokenizer, texts, len(texts[0]) if head_end is None else head_end)
-    prompts = _for_rows(guard_prompts, tokenizer, parsed, texts, ids, max_tokens)
-    prefix_ids = state_prefix_ids(tokenizer, parsed[0], texts[0], ids[0], cut)
+    users = [user_message(row) for row in parsed]
+    texts = _for_rows(render_all, tokenizer, parsed, users)
+    plan = _for_rows(layout, tokenizer, parsed, texts, users)
+    body_ids, cut = encode_bodies(plan, parsed[0], texts[0])
+    ids = plan.join(body_ids)
+    ends = plan.ends(body_ids)
+    prompts = _for_rows(guard_prompts, tokenizer, parsed, texts, ids, max_tokens, ends)
+    prefix_ids = state_prefix_ids(plan, parsed[0], texts[0], body_ids[0], cut)
     return parsed, prompts, shared_prefix(prefix_ids, prompts)
 
 
@@ -69,19 +78,30 @@ def encode_with_prefix(
     """One row's prompt, exactly as `encode_prompt` gives it (ids, guards, rejections), and its
     state prefix (None when it cannot be located), the state tokenized once for both."""
     try:
-        texts = render_all(tokenizer, [row])
-        head_end = state_head_end(row, texts[0])
-        ids, cut = encode_common(tokenizer, texts, len(texts[0]) if head_end is None else head_end)
-        prompt = guard_prompts(tokenizer, [row], texts, ids, max_tokens)[0]
+        users = [user_message(row)]
+        texts = render_all(tokenizer, [row], users)
+        plan = layout(tokenizer, [row], texts, users)
+        body_ids, cut = encode_bodies(plan, row, texts[0])
+        ends = plan.ends(body_ids)
+        prompt = guard_prompts(tokenizer, [row], texts, plan.join(body_ids), max_tokens, ends)[0]
     except PromptRejected as error:
         raise PromptRejected(str(error)) from None  # a direct rejection names no row index
-    if head_end is None:
+    if state_head_end(row, texts[0]) is None:
         return prompt, None
     try:
-        prefix_ids = state_prefix_ids(tokenizer, row, texts[0], ids[0], cut)
+        prefix_ids = state_prefix_ids(plan, row, texts[0], body_ids[0], cut)
         return prompt, shared_prefix(prefix_ids, [prompt])
     except PromptRejected:
         return prompt, None
+
+
+def encode_bodies(plan: Layout, row: Row, text: str) -> tuple[list[list[int]], Cut | None]:
+    """The token ids of every prompt's body (`encode_common`, reusing row 0's tokens up to the
+    end of its state where it can) and the cut used; `row` and `text`: row 0 and its prompt."""
+    head_end = state_head_end(row, text)
+    bodies = plan.bodies
+    limit = len(bodies[0]) if head_end is None else head_end - len(plan.pieces[0].head)
+    return encode_common(plan.encoder, bodies, limit)
 
 
 def _parse_rows(rows: list[Row | dict]) -> list[Row]:
@@ -244,25 +264,25 @@ def state_head_end(row: Row, text: str) -> int | None:
 
 
 def state_prefix_ids(
-    tokenizer: ChatTokenizer,
-    row: Row,
-    text: str,
-    ids: list[int] | None = None,
-    cut: Cut | None = None,
+    plan: Layout, row: Row, text: str, body_ids: list[int], cut: Cut | None = None
 ) -> list[int]:
-    """Tokens of the rendered text through the evidence, minus the last (it may merge onward).
-    With the text's `ids` and a `Cut` that holds for that head, only its end is encoded."""
+    """Tokens of the rendered text through the evidence, minus the last (it may merge onward),
+    encoded as `plan` encodes row 0's prompt `text`: its head's ids, then its body's up to the
+    evidence's end. With row 0's `body_ids` and a `Cut` that holds that far, only the body's
+    end is encoded."""
     end = state_head_end(row, text)
     if end is None:
         raise PromptRejected(
             "shared prefix guard: the chat template changed the user message, so the state "
             "prefix cannot be located"
         )
-    if ids is not None and cut is not None and end >= cut.until:
-        prefix_ids = ids[: cut.tokens] + encode(tokenizer, text[cut.chars : end])
+    pieces = plan.pieces[0]
+    end -= len(pieces.head)
+    if cut is not None and end >= cut.until:
+        body = body_ids[: cut.tokens] + encode(plan.encoder, pieces.body[cut.chars : end])
     else:
-        prefix_ids = encode(tokenizer, text[:end])
-    prefix_ids = prefix_ids[:-1]
+        body = encode(plan.encoder, pieces.body[:end])
+    prefix_ids = (plan.outer[pieces.head] + body)[:-1]
     if not prefix_ids:
         raise PromptRejected("shared prefix guard: the state prefix encodes to no tokens")
     return prefix_ids
