@@ -1,9 +1,10 @@
 """`TorchScorer`: the direct and shared scorers over one loaded model, as the engine drives them.
 
 It carries the server's max_tokens and the model's view of the process-wide state-prefix cache.
-An out-of-memory error in a call that the cache may have caused (entries were held) drops every
-entry no call is using and runs the call once more without the cache, so the cache never costs
-a 503 that a cold call would not have had; a second out-of-memory goes to the engine's policy.
+An out-of-memory error in a call while THIS model has stored prefixes drops them (never another
+model's: no caller can empty a neighbour's cache) and runs the call once more without the cache,
+so its own cache never costs a 503 that a cold call would not have had; with none stored, or on
+a second out-of-memory, the error goes to the engine's policy (503) at once.
 """
 
 from __future__ import annotations
@@ -79,14 +80,14 @@ class TorchScorer:
         except Exception as error:
             if cache is None or not is_out_of_memory(error, self._torch_module()):
                 raise
-            if not cache.store.total_bytes:
-                raise  # nothing stored: a cold call would have failed the same way
+            if not cache.stats()["bytes"]:
+                raise  # this model stores nothing: dropping others' entries is not its call
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
         # Outside the except block, so the failed call's frames (and tensors) are gone.
-        freed = cache.store.drop()
+        freed = cache.drop()
         log.warning(
-            "out of memory with %d stored prefix bytes (%s): dropped them, scoring again "
-            "without the prefix cache",
+            "out of memory with %d stored prefix bytes of this model (%s): dropped them, "
+            "scoring again without the prefix cache",
             freed,
             message,
         )

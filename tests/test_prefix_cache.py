@@ -233,6 +233,51 @@ def test_out_of_memory_while_inserting_drops_entries_and_scores_cold(tiny_qwen, 
     assert scorer.score(row)["cache_hit"] is True
 
 
+def test_out_of_memory_drops_only_the_failing_models_entries(tiny_qwen, monkeypatch):
+    cache = PrefixCache(1 << 30, min_tokens=1)
+    neighbour = TorchScorer(tiny_qwen, MAX_TOKENS, cache, torch)
+    scorer = TorchScorer(tiny_qwen, MAX_TOKENS, cache, torch)
+    scorer.prefix_cache = cache.for_model(("another", "model"))  # same weights, another id
+    neighbour.score(make_rows(1, 2, state=state(5))[0])
+    scorer.score(make_rows(1, 2, state=state(6))[0])
+    neighbours_bytes = neighbour.cache_stats()["bytes"]
+    assert neighbours_bytes > 0 and scorer.cache_stats()["bytes"] > 0
+    real_copy = prefix_cache_module.working_copy
+    failures = []
+
+    def out_of_memory_once(stored):
+        if not failures:
+            failures.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_copy(stored)
+
+    monkeypatch.setattr(prefix_cache_module, "working_copy", out_of_memory_once)
+    result = scorer.score(make_rows(1, 2, state=state(6))[0])  # a hit that fails, then cold
+    assert failures and result["cache_hit"] is False
+    assert neighbour.cache_stats()["bytes"] == neighbours_bytes  # untouched
+    assert scorer.cache_stats()["entries"] == 0  # its own were dropped; the cold call stores none
+
+
+def test_out_of_memory_with_only_a_neighbours_entries_is_503_at_once(tiny_qwen, monkeypatch):
+    cache = PrefixCache(1 << 30, min_tokens=1)
+    neighbour = TorchScorer(tiny_qwen, MAX_TOKENS, cache, torch)
+    scorer = TorchScorer(tiny_qwen, MAX_TOKENS, cache, torch)
+    scorer.prefix_cache = cache.for_model(("another", "model"))
+    neighbour.score(make_rows(1, 2, state=state(5))[0])
+    stored = cache.total_bytes
+    calls = []
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(True)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr("semif_serve.scoring.shared._prefill", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        scorer.score(make_rows(1, 2)[0])
+    assert len(calls) == 1  # not run again
+    assert cache.total_bytes == stored  # the neighbour's entries stay
+
+
 def test_out_of_memory_with_nothing_stored_is_the_engines_to_report(tiny_qwen, monkeypatch):
     scorer = TorchScorer(tiny_qwen, MAX_TOKENS, PrefixCache(1 << 30, min_tokens=1), torch)
 
