@@ -1,12 +1,14 @@
 """semif_serve.client: round trips, the error envelope and retries against the real server
-(tests/serve_fake.py under gunicorn), and an httpx MockTransport where a real server cannot give
-a status on demand. Time is a fake clock wherever the client would wait: no test sleeps."""
+(tests/serve_fake.py under gunicorn), an httpx MockTransport where a real server cannot give
+a status on demand, and a raw socket server that is slow on purpose. Time is a fake clock
+wherever the client would wait: no test sleeps."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -26,28 +28,39 @@ from semif_serve.client import (
     InvalidReply,
     RetryPolicy,
 )
-from semif_serve.client.retry import Attempts, parse_retry_after
+from semif_serve.client.retry import (
+    MAX_SERVER_TIMEOUT_S,
+    Attempts,
+    body_timeout_s,
+    parse_retry_after,
+)
+from semif_serve.client.transport import DeadlineTransport
+from semif_serve.client.wire import attempt_body, prepare
+from semif_serve.runtime.service import MAX_TIMEOUT_S
 from semif_serve.state_key import STATE_KEY_HEADER, state_key
 
 MODES = ["sync", "async"]
 BOUNDED = RetryPolicy(deadline_s=3 * WAIT_S)  # no call in these tests waits longer
+SHARE = 3 * WAIT_S - 1.0  # its deadline less its margin (1 s): a body's first timeout_s
 URL = "http://semif.test"
 STATE = {"ticket": "Drucker im 3. Stock klemmt", "reporter": "Ana"}
 
 
 class FakeTime:
-    """A monotonic clock that moves only when the client sleeps; every sleep is recorded."""
+    """A monotonic clock that moves only when the client sleeps; every sleep is recorded.
+    `oversleep`: each sleep lasts that much longer than asked (a suspended process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, oversleep: float = 0.0) -> None:
         self.now = 0.0
         self.sleeps: list[float] = []
+        self.oversleep = oversleep
 
     def __call__(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
-        self.now += seconds
+        self.now += seconds + self.oversleep
 
     async def asleep(self, seconds: float) -> None:
         self.sleep(seconds)
@@ -157,7 +170,9 @@ def test_decide_sends_the_state_key_the_server_answers_with(server, mode):
     assert request.headers[STATE_KEY_HEADER] == state_key(STATE)
     assert response.headers[STATE_KEY_HEADER] == state_key(STATE)
     assert request.headers["Authorization"] == f"Bearer {TOKEN}"
-    assert json.loads(request.content) == body
+    sent = json.loads(request.content)
+    assert 0 < sent.pop("timeout_s") <= SHARE  # the server's share of the deadline, accepted
+    assert sent == body
 
 
 @pytest.mark.server
@@ -216,12 +231,23 @@ def test_a_422_carries_the_envelope_and_request_id_and_is_never_retried(server, 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_no_server_listening_is_connection_failed_and_not_retried(mode):
+def test_no_server_listening_is_retried_until_the_deadline_then_connection_failed(mode):
     fake = FakeTime()
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionFailed, match="cannot reach the server"):
         run(mode, lambda c: c.health(), url=url, **timing(fake, mode))
-    assert fake.sleeps == []
+    # The backoff up to its 10 s cap; a wait from 25.75 s would end past the 30 s deadline.
+    assert fake.sleeps == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("mode", MODES)
+def test_a_timeout_s_the_server_refuses_is_sent_as_the_caller_gave_it(server, mode):
+    body = row(timeout_s=-1)
+    with pytest.raises(ApiError) as caught:
+        run(mode, lambda c: c.decide(body), url=url_of(server))
+    assert (caught.value.status, caught.value.code) == (422, "invalid_request")
+    assert caught.value.message.startswith("timeout_s: must be a number of seconds")
 
 
 class Blocker:
@@ -384,7 +410,7 @@ def test_an_http_date_retry_after_is_read_as_seconds_from_now():
     fake = FakeTime()
     later = formatdate(time.time() + 30, usegmt=True)
     script = Script(envelope(429, "busy", later), httpx.Response(200, json=OK))
-    assert decide_with("sync", script, fake) == OK
+    assert decide_with("sync", script, fake, RetryPolicy(deadline_s=100)) == OK
     assert 28 <= fake.sleeps[0] <= 30
 
 
@@ -502,12 +528,15 @@ def test_a_success_that_is_not_a_json_object_is_an_invalid_reply(mode, content, 
 @pytest.mark.parametrize(
     ("failure", "message"),
     [
-        (httpx.ConnectError("refused"), "cannot reach the server"),
+        (httpx.ConnectTimeout("slow"), "no reply within 30 s"),
         (httpx.ReadTimeout("slow"), "no reply within 30 s"),
+        (httpx.WriteError("reset"), "the connection failed: WriteError"),
         (httpx.RemoteProtocolError("closed"), "the connection failed: RemoteProtocolError"),
     ],
 )
-def test_transport_failures_are_connection_failed_and_not_retried(mode, failure, message):
+def test_transport_failures_after_connecting_are_connection_failed_and_not_retried(
+    mode, failure, message
+):
     fake, script = FakeTime(), Script(failure, httpx.Response(200, json=OK))
     with pytest.raises(ConnectionFailed, match=message):
         decide_with(mode, script, fake)
@@ -518,14 +547,16 @@ def test_transport_failures_are_connection_failed_and_not_retried(mode, failure,
 def test_requests_carry_the_token_json_and_the_state_key(mode):
     script = Script(httpx.Response(200, json={"results": [], "timing": {}}))
     body = {"state": "Die Tür ist offen 🚪", "decisions": [decision("a")]}
-    run(mode, lambda c: c.decide_shared(body), transport=script.transport())
+    run(mode, lambda c: c.decide_shared(body), transport=script.transport(),
+        **timing(FakeTime(), mode))  # fmt: skip
     (request,) = script.requests
     assert (request.method, request.url.path) == ("POST", "/decide/shared")
     assert request.headers["Authorization"] == f"Bearer {TOKEN}"
     assert request.headers["Accept"] == "application/json"
     assert request.headers["Content-Type"] == "application/json"
     assert request.headers[STATE_KEY_HEADER] == state_key(body["state"])
-    assert request.content == json.dumps(body, ensure_ascii=False).encode("utf-8")
+    sent = {**body, "timeout_s": SHARE}
+    assert request.content == json.dumps(sent, ensure_ascii=False).encode("utf-8")
 
 
 def test_a_get_sends_no_body_and_no_state_key():
@@ -537,10 +568,19 @@ def test_a_get_sends_no_body_and_no_state_key():
     assert request.headers["Accept"] == "application/json"
 
 
-def test_a_body_that_is_not_json_fails_before_sending():
+@pytest.mark.parametrize(
+    "body",
+    [
+        row(state=[float("nan")]),
+        row(timeout_s=float("nan")),  # never replaced by the server's share: refused as it is
+        row(timeout_s=float("inf")),
+    ],
+    ids=["state-nan", "timeout-nan", "timeout-inf"],
+)
+def test_a_body_that_is_not_json_fails_before_sending(body):
     script = Script(httpx.Response(200, json=OK))
     with pytest.raises(ValueError):
-        run("sync", lambda c: c.decide(row(state=[float("nan")])), transport=script.transport())
+        run("sync", lambda c: c.decide(body), transport=script.transport())
     assert script.requests == []
 
 
@@ -566,6 +606,9 @@ BACKOFF_RULE = "backoff: need 0 <= initial_backoff_s <= max_backoff_s"
         ({"initial_backoff_s": -0.1}, BACKOFF_RULE),
         ({"jitter": 1.5}, "jitter: must be within 0..1, got 1.5"),
         ({"jitter": -0.1}, "jitter: must be within 0..1, got -0.1"),
+        ({"margin_s": -0.1}, "margin_s: must be a number >= 0, got -0.1"),
+        ({"margin_s": float("inf")}, "margin_s: must be a number >= 0, got inf"),
+        ({"margin_s": float("nan")}, "margin_s: must be a number >= 0, got nan"),
     ],
 )
 def test_a_policy_that_cannot_work_is_refused(policy, message):
@@ -581,6 +624,7 @@ def test_a_policy_that_cannot_work_is_refused(policy, message):
         {"initial_backoff_s": 3, "max_backoff_s": 3},
         {"jitter": 0},
         {"jitter": 1},
+        {"margin_s": 0},
     ],
 )
 def test_a_policy_at_the_edge_of_its_ranges_is_accepted(policy):
@@ -630,3 +674,266 @@ NOW = 1_700_000_000.0  # a fixed wall clock for HTTP-dates
 )
 def test_retry_after_is_seconds_or_an_http_date(value, seconds):
     assert parse_retry_after(value, lambda: NOW) == seconds
+
+
+# -- the deadline, end to end ---------------------------------------------------------------------
+
+
+def sent_timeouts(script: Script) -> list:
+    return [json.loads(request.content).get("timeout_s") for request in script.requests]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("route", ["decide", "decide_shared"])
+def test_each_body_carries_the_time_left_less_the_margin_as_timeout_s(mode, route):
+    fake = FakeTime()
+    script = Script(envelope(429, "busy", "2"), envelope(503, "server_busy", "3"),
+                    httpx.Response(200, json=OK))  # fmt: skip
+    shared = {"state": STATE, "decisions": [decision("a")]}
+    run(mode, lambda c: c.decide(row()) if route == "decide" else c.decide_shared(shared),
+        transport=script.transport(), **timing(fake, mode))  # fmt: skip
+    # Sent at 0, 2 and 5 s of a 30 s deadline: the server gives up queueing 1 s before it.
+    assert sent_timeouts(script) == [29.0, 27.0, 24.0]
+    assert script.read_timeouts() == [30.0, 28.0, 25.0]  # the client waits for all of it
+
+
+@pytest.mark.parametrize(
+    ("policy", "first"),
+    [
+        (RetryPolicy(deadline_s=5), 4.5),  # a margin of at most a tenth of the deadline
+        (RetryPolicy(deadline_s=100, margin_s=2.5), 97.5),
+        (RetryPolicy(deadline_s=5, margin_s=0), 5.0),
+        (RetryPolicy(deadline_s=200_000), MAX_SERVER_TIMEOUT_S),  # the most the server takes
+    ],
+    ids=["tenth", "margin_s", "no-margin", "a-day"],
+)
+def test_the_server_gets_the_time_left_less_the_margin_and_at_most_a_day(policy, first):
+    fake, script = FakeTime(), Script(httpx.Response(200, json=OK))
+    decide_with("sync", script, fake, policy)
+    assert sent_timeouts(script) == [first]
+
+
+def test_the_client_caps_timeout_s_where_the_server_does():
+    assert MAX_SERVER_TIMEOUT_S == MAX_TIMEOUT_S
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("asked", "sent"),
+    [(5, 5), (28.5, 28.5), (100, SHARE), (None, SHARE)],
+    ids=["smaller", "smaller-float", "larger", "null"],
+)
+def test_a_timeout_s_of_the_callers_own_is_kept_when_smaller(mode, asked, sent):
+    fake, script = FakeTime(), Script(httpx.Response(200, json=OK))
+    decide_with(mode, script, fake, body=row(timeout_s=asked))
+    assert sent_timeouts(script) == [sent]
+
+
+@pytest.mark.parametrize(
+    ("asked", "sent"),
+    [
+        (None, 29.0),
+        (5, 5),
+        (29, 29),  # equal: the caller's own, an int
+        (29.5, 29.0),
+        (10**400, 29.0),  # compared exactly, never through a float
+        (0, 0),  # the server's 422 names these: they are the caller's to fix
+        (-1.5, -1.5),
+        ("soon", "soon"),
+        (True, True),
+        ([5], [5]),
+    ],
+)
+def test_body_timeout_s_keeps_what_the_caller_asked_unless_it_is_a_larger_number(asked, sent):
+    kept = body_timeout_s(asked, 29.0)
+    assert kept == sent and type(kept) is type(sent)
+
+
+def test_a_body_of_another_route_gets_no_timeout_s():
+    # The client sends no other body today; one for /v1/models would be refused with timeout_s.
+    call = prepare("PUT", "/v1/models/extra", {"source": "builtin:smollm2-135m"})
+    assert json.loads(attempt_body(call, "PUT", 5.0)) == {"source": "builtin:smollm2-135m"}
+    assert attempt_body(prepare("GET", "/health"), "GET", 5.0) is None
+    with pytest.raises(ConnectionFailed, match="^GET: not sent: too little time left"):
+        attempt_body(prepare("GET", "/health"), "GET", 0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_too_little_time_left_for_the_server_fails_without_sending(mode):
+    # The 1 s wait for a retry lasted 4.5 s: at 4.5 s of 5, the server's share (5 - 4.5 - 0.5)
+    # is gone, so the client gives up at once instead of sending a call it cannot wait for.
+    fake = FakeTime(oversleep=3.5)
+    script = Script(envelope(429, "busy", "1"), httpx.Response(200, json=OK))
+    with pytest.raises(ConnectionFailed) as caught:
+        decide_with(mode, script, fake, RetryPolicy(deadline_s=5))
+    assert (
+        str(caught.value)
+        == f"POST {URL}/decide: not sent: too little time left before the deadline"
+    )
+    assert fake.sleeps == [1.0] and len(script.requests) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_get_is_not_sent_once_the_deadline_has_passed(mode):
+    fake = FakeTime(oversleep=4.0)  # the 1 s wait ends exactly at the 5 s deadline
+    script = Script(envelope(429, "busy", "1"), httpx.Response(200, json={"models": []}))
+    with pytest.raises(ConnectionFailed, match="not sent"):
+        run(mode, lambda c: c.models(), transport=script.transport(),
+            policy=RetryPolicy(deadline_s=5), **timing(fake, mode))  # fmt: skip
+    assert len(script.requests) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_refused_connection_is_retried_with_the_backoff(mode):
+    fake = FakeTime()
+    script = Script(httpx.ConnectError("refused"), httpx.ConnectError("refused"),
+                    envelope(429, "busy"), httpx.Response(200, json=OK))  # fmt: skip
+    assert decide_with(mode, script, fake) == OK
+    assert fake.sleeps == [0.25, 0.5, 1.0]  # one backoff for refusals and 429s alike
+    assert sent_timeouts(script) == [29.0, 28.75, 28.25, 27.25]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_refused_connections_are_retried_only_within_the_deadline(mode):
+    fake, script = FakeTime(), Script(httpx.ConnectError("refused"))
+    with pytest.raises(ConnectionFailed) as caught:
+        decide_with(mode, script, fake, RetryPolicy(deadline_s=5))
+    assert str(caught.value) == f"POST {URL}/decide: cannot reach the server: refused"
+    # Tried at 0, 0.25, 0.75, 1.75 and 3.75 s; a 4 s wait would leave the server no share.
+    assert fake.sleeps == [0.25, 0.5, 1.0, 2.0]
+    assert sent_timeouts(script) == [4.5, 4.25, 3.75, 2.75, 0.75]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_retry_is_attempted_only_while_the_server_would_get_a_share(mode):
+    # Retry-After 9 from 0 s ends at 9 s, before the 10 s deadline but at its 1 s margin.
+    fake, script = FakeTime(), Script(envelope(429, "busy", "9"), httpx.Response(200, json=OK))
+    with pytest.raises(ApiError):
+        decide_with(mode, script, fake, RetryPolicy(deadline_s=10))
+    assert fake.sleeps == [] and len(script.requests) == 1
+
+
+def test_attempts_share_out_the_deadline():
+    fake = FakeTime()
+    policy = RetryPolicy(deadline_s=30, margin_s=2)
+    timed, untimed = Attempts(policy, fake, lambda: 0.0, True), Attempts(policy, fake, lambda: 0.0)
+    fake.now = 3.0
+    assert (timed.timeout_s(), timed.server_timeout_s()) == (27.0, 25.0)
+    assert (untimed.timeout_s(), untimed.server_timeout_s()) == (27.0, 27.0)
+    assert timed.wait_before_reconnect() == 0.25 and untimed.wait_before_reconnect() == 0.25
+    fake.now = 27.5  # a 0.5 s wait (the second) would end at the timed call's last start, 28 s
+    assert timed.wait_before_reconnect() is None and untimed.wait_before_reconnect() == 0.5
+    assert RetryPolicy(deadline_s=10, margin_s=2).server_margin_s() == 1.0
+    assert RetryPolicy(deadline_s=30, margin_s=2).server_margin_s() == 2.0
+
+
+class SlowServer:
+    """A raw socket server on 127.0.0.1 that is slow on purpose, one connection at a time:
+    `reply`: reads the request, then sends a reply one byte every 20 ms (each read of the client
+    gets its byte long before a read timeout); `read`: takes the body 4 KiB every 20 ms, until
+    `hurry` is set (the body the client had buffered then arrives at once). `closed` is set once
+    the client has closed the connection."""
+
+    PAUSE_S = 0.02
+
+    def __init__(self, slow: str):
+        self.slow = slow
+        self.closed = threading.Event()
+        self.hurry = threading.Event()
+        self.stopping = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> SlowServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        self.listener.close()
+        self.thread.join(WAIT_S)
+
+    def _serve(self) -> None:
+        connection, _ = self.listener.accept()
+        with connection:
+            connection.settimeout(WAIT_S)
+            try:
+                if self.slow == "read":
+                    self._read_slowly(connection)
+                else:
+                    self._read_request(connection)
+                    self._reply_slowly(connection)
+            except OSError:
+                pass
+        self.closed.set()
+
+    def _read_request(self, connection: socket.socket) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += connection.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+        while len(body) < length:
+            body += connection.recv(65536)
+
+    def _reply_slowly(self, connection: socket.socket) -> None:
+        reply = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b" " * 100_000
+        for byte in reply:
+            if self.stopping.wait(self.PAUSE_S):
+                return
+            connection.sendall(bytes([byte]))
+
+    def _read_slowly(self, connection: socket.socket) -> None:
+        while self.hurry.is_set() or not self.stopping.wait(self.PAUSE_S):
+            if not connection.recv(65536):
+                return
+
+
+SMALL_SEND_BUFFER = [(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)]  # no autotuning to MiBs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("slow", ["reply", "read"])
+def test_an_attempt_ends_by_the_deadline_however_slowly_the_server_goes(mode, slow):
+    # httpx alone gives each socket operation the whole timeout, and each one here ends well
+    # within it: the slow reply (100 kB at a byte per 20 ms) would hold the call for half an
+    # hour, the slow read of a 2 MB body (4 KiB per 20 ms, through small socket buffers) a
+    # Client for 10 s (httpx's async transport already bounds a whole write by its timeout).
+    deadline_s, outcome = 0.5, []
+    body, transport = row(), None
+    if slow == "read":
+        body = row(state="x" * 2_000_000)
+        transport = (DeadlineTransport(SMALL_SEND_BUFFER) if mode == "sync"
+                     else httpx.AsyncHTTPTransport(socket_options=SMALL_SEND_BUFFER))  # fmt: skip
+
+    def call():
+        try:
+            run(mode, lambda c: c.decide(body), url=server.url, policy=RetryPolicy(deadline_s),
+                transport=transport)  # fmt: skip
+        except ConnectionFailed as error:
+            outcome.append(error)
+
+    with SlowServer(slow) as server:
+        caller = threading.Thread(target=call)
+        started = time.monotonic()
+        caller.start()
+        caller.join(5)  # the watchdog
+        assert not caller.is_alive(), "the attempt outlived its deadline by seconds"
+        assert time.monotonic() - started >= deadline_s
+        (error,) = outcome
+        shown = re.escape(f"POST {server.url}/decide: no reply within ")
+        assert re.fullmatch(shown + r"0\.[45]\d* s \(the call's deadline\)", str(error))
+        server.hurry.set()
+        assert server.closed.wait(WAIT_S)  # the client closed the connection: the server sees it
+
+
+@pytest.mark.server
+def test_the_default_transport_is_the_deadline_one_and_keeps_one_connection(server):
+    with Client(url_of(server), TOKEN, policy=BOUNDED) as client:
+        assert isinstance(client._http._transport, DeadlineTransport)
+        client.health()
+        client.decide(row())
+        client.models()
+        assert len(client._http._transport._pool.connections) == 1

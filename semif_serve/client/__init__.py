@@ -1,7 +1,8 @@
 """A typed Python client for semif-serve's `/decide`, `/decide/shared`, `/health` and
 `/v1/models` (docs/client.md): `Client` blocks, `AsyncClient` awaits; both pool connections,
-send the bearer token and each body's X-Semif-State-Key, retry 429 and 503 `server_busy` with
-jittered backoff within one deadline, and raise `SemifError`s.
+send the bearer token and each body's X-Semif-State-Key, retry 429, 503 `server_busy` and refused
+connections with jittered backoff within one deadline, tell the server its share of that deadline
+(each body's `timeout_s`), end every attempt by it, and raise `SemifError`s.
 """
 
 from semif_serve.client.aio import AsyncClient

@@ -1,4 +1,5 @@
-"""`AsyncClient`: `Client` for asyncio, the same calls, retries and errors, awaited."""
+"""`AsyncClient`: `Client` for asyncio, the same calls, retries and errors, awaited; each attempt
+runs under `asyncio.timeout` of the time left, so none outlasts the call's deadline."""
 
 from __future__ import annotations
 
@@ -21,7 +22,17 @@ from semif_serve.client.types import (
     SharedReply,
     SharedRequest,
 )
-from semif_serve.client.wire import Call, describe, no_reply, prepare, reply_body, session_headers
+from semif_serve.client.wire import (
+    Call,
+    attempt_body,
+    describe,
+    no_reply,
+    out_of_time,
+    prepare,
+    reply_body,
+    session_headers,
+    timed,
+)
 
 
 class AsyncClient:
@@ -73,23 +84,32 @@ class AsyncClient:
 
     async def _call(self, call: Call) -> dict[str, Any]:
         name = describe(call, self.base_url)
-        attempts = Attempts(self.policy, self._clock, self._random)
+        attempts = Attempts(self.policy, self._clock, self._random, timed(call))
         while True:
             timeout_s = attempts.timeout_s()
+            content = attempt_body(call, name, attempts.server_timeout_s())
             try:
-                response = await self._http.request(
-                    call.method,
-                    call.path,
-                    content=call.content,
-                    headers=call.headers,
-                    timeout=timeout_s,
-                )
+                async with asyncio.timeout(timeout_s):
+                    response = await self._http.request(
+                        call.method,
+                        call.path,
+                        content=content,
+                        headers=call.headers,
+                        timeout=timeout_s,
+                    )
+            except TimeoutError as error:  # asyncio.timeout's: the whole attempt ran out
+                raise out_of_time(name, timeout_s) from error
+            except httpx.ConnectError as error:  # refused: nothing reached the server
+                wait_s = attempts.wait_before_reconnect()
+                if wait_s is None:
+                    raise no_reply(name, error, timeout_s) from error
             except httpx.RequestError as error:
                 raise no_reply(name, error, timeout_s) from error
-            try:
-                return reply_body(name, response)
-            except ApiError as error:
-                wait_s = attempts.wait_before_retry(error)
-                if wait_s is None:
-                    raise
+            else:
+                try:
+                    return reply_body(name, response)
+                except ApiError as error:
+                    wait_s = attempts.wait_before_retry(error)
+                    if wait_s is None:
+                        raise
             await self._sleep(wait_s)

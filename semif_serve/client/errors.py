@@ -2,7 +2,8 @@
 
 - `ApiError`: the server (or a proxy in front of it) answered with an error status; it carries
   the envelope's `code` and `message`, the status, the reply's X-Request-Id and Retry-After.
-- `ConnectionFailed`: no reply at all (nothing listening, a dropped connection, no reply in time).
+- `ConnectionFailed`: no reply at all (nothing listening, a dropped connection, no reply in time),
+  or too little of the deadline left to send the call.
 - `InvalidReply`: a success status whose body is not a JSON object.
 """
 
@@ -37,7 +38,8 @@ class ApiError(SemifError):
 
 
 class ConnectionFailed(SemifError):
-    """The server sent no reply: it could not be reached, the connection broke, or time ran out."""
+    """The server sent no reply: it could not be reached, the connection broke, or time ran out
+    (during an attempt, or before one could be sent)."""
 
 
 class InvalidReply(SemifError):

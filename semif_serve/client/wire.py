@@ -1,7 +1,8 @@
 """Requests out and replies in, with no I/O: what `Client` and `AsyncClient` share.
 
-`prepare` turns a method, path and body into a `Call` (JSON bytes, the headers, the state key);
-`describe` names it in messages; `reply_body` turns an httpx response into the JSON object or
+`prepare` turns a method, path and body into a `Call` (the body, the headers, the state key);
+`attempt_body` encodes one attempt's body with the server's share of the deadline as `timeout_s`;
+`describe` names a call in messages; `reply_body` turns an httpx response into the JSON object or
 the matching exception; `no_reply` turns a transport failure into `ConnectionFailed`.
 """
 
@@ -15,19 +16,25 @@ from typing import Any
 import httpx
 
 from semif_serve.client.errors import ApiError, ConnectionFailed, InvalidReply
-from semif_serve.client.retry import parse_retry_after
+from semif_serve.client.retry import body_timeout_s, parse_retry_after
 from semif_serve.state_key import STATE_KEY_HEADER, state_key
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the server's id for the request (http/middleware.py)
 SHOWN_BYTES = 200  # of a reply that is not the envelope
+TIMED_PATHS = frozenset({"/decide", "/decide/shared"})  # bodies that take `timeout_s`
 
 
 @dataclass(frozen=True)
 class Call:
     method: str
     path: str
-    content: bytes | None = None
+    body: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+
+
+def timed(call: Call) -> bool:
+    """Whether the call's body tells the server its share of the deadline (`timeout_s`)."""
+    return call.body is not None and call.path in TIMED_PATHS
 
 
 def session_headers(token: str | None) -> dict[str, str]:
@@ -39,15 +46,34 @@ def session_headers(token: str | None) -> dict[str, str]:
 
 
 def prepare(method: str, path: str, body: dict[str, Any] | None = None) -> Call:
-    """The call for `body` as JSON; a body with a `state` also sends its X-Semif-State-Key.
-    A body that is not JSON (NaN, a set) raises ValueError or TypeError here, before sending."""
+    """The call for `body` (sent as JSON); a body with a `state` also sends its
+    X-Semif-State-Key. A body that is not JSON (NaN, a set) raises ValueError or TypeError here,
+    before sending."""
     if body is None:
         return Call(method, path)
-    content = json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    to_json(body)
     headers = {"Content-Type": "application/json"}
     if "state" in body:
         headers[STATE_KEY_HEADER] = state_key(body["state"])
-    return Call(method, path, content, headers)
+    return Call(method, path, dict(body), headers)
+
+
+def to_json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def attempt_body(call: Call, name: str, server_timeout_s: float) -> bytes | None:
+    """The next attempt's body, a timed one with `timeout_s` = the server's share of the time
+    left (`Attempts.server_timeout_s`), unless the caller asked for less; ConnectionFailed,
+    without sending anything, when that share is gone (`name` is the call's `describe`)."""
+    if server_timeout_s <= 0:
+        raise ConnectionFailed(f"{name}: not sent: too little time left before the deadline")
+    if call.body is None:
+        return None
+    if not timed(call):
+        return to_json(call.body)
+    asked = call.body.get("timeout_s")
+    return to_json({**call.body, "timeout_s": body_timeout_s(asked, server_timeout_s)})
 
 
 def describe(call: Call, base_url: str) -> str:
@@ -88,7 +114,12 @@ def no_reply(name: str, error: httpx.RequestError, timeout_s: float) -> Connecti
     """The ConnectionFailed for a request that got no usable reply: unreachable, broken, out of
     time."""
     if isinstance(error, httpx.TimeoutException):
-        return ConnectionFailed(f"{name}: no reply within {timeout_s:g} s (the call's deadline)")
+        return out_of_time(name, timeout_s)
     if isinstance(error, httpx.ConnectError):
         return ConnectionFailed(f"{name}: cannot reach the server: {error}")
     return ConnectionFailed(f"{name}: the connection failed: {type(error).__name__}: {error}")
+
+
+def out_of_time(name: str, timeout_s: float) -> ConnectionFailed:
+    """The ConnectionFailed for an attempt that ran out of its `timeout_s`, the time left."""
+    return ConnectionFailed(f"{name}: no reply within {timeout_s:g} s (the call's deadline)")
