@@ -9,17 +9,15 @@ from tokenizers import AddedToken, normalizers, pre_tokenizers
 
 from semif_serve.scoring import PromptRejected, parse_row, score
 from semif_serve.scoring import prompt as prompt_module
+from semif_serve.scoring.added_tokens import AddedTokens, added_tokens, tail_start
 from semif_serve.scoring.prompt import (
     SYSTEM_PROMPT,
-    AddedTokens,
-    added_tokens,
     check_answer_boundary,
     encode,
     encode_prompt,
     letter_token_ids,
     messages,
     render,
-    tail_start,
 )
 
 ROW = parse_row(

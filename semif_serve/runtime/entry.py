@@ -42,8 +42,6 @@ MAX_WAIT_S = 30 * 24 * 3600.0
 GONE_POLL_S = 0.25  # how often a waiting request asks whether its caller is still there
 
 
-
-
 class QueueTimeout(Exception):
     """Waited longer than the queue timeout; the waiter left the queue and holds nothing."""
 

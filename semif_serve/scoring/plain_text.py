@@ -41,7 +41,7 @@ class PlainText:
     back to the tokenizer's (`remap`: the ids they got here, where those differ). It answers the
     calls that `prompt` and `shared_prompts` make of a transformers tokenizer: `encode`, a call
     on a list (`input_ids`) or on one text (`input_ids`, `offset_mapping`, `word_ids()`), and
-    `backend_tokenizer` for `prompt.added_tokens`."""
+    `backend_tokenizer` for `added_tokens.added_tokens`."""
 
     split_special_tokens = False
 

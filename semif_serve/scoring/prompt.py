@@ -2,23 +2,23 @@
 
 A row becomes `EncodedPrompt` (text, token ids, the option letters' token ids, sha256) or a
 `PromptRejected` (a ValueError) naming the guard that failed. Nothing is ever truncated.
-Caller text is always text (`layout`, `plain_text`): a prompt is cut around its user message,
-and that piece is encoded without the control tokens, which only the template writes; a prompt
-whose caller text holds none gets exactly the ids of encoding its whole text, as upstream.
-The answer-boundary guard re-encodes only the text after a prompt's last added token when the
-tokenizer is known to encode that piece on its own (`added_tokens`); its verdicts are exactly
-those of re-encoding the whole prompt + letter (tests/test_prompt_fastpath.py).
+Caller text is always text (`layout`, `plain_text`): a prompt is cut around its user message
+(`pieces`), and that piece is encoded without the control tokens, which only the template
+writes; a prompt whose caller text holds none gets exactly the ids of encoding its whole text,
+as upstream. The answer-boundary guard re-encodes only the text after a prompt's last added
+token when the tokenizer is known to encode that piece on its own (`added_tokens`); its verdicts
+are exactly those of re-encoding the whole prompt + letter (tests/test_prompt_fastpath.py).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from semif_serve.scoring.added_tokens import AddedTokens, added_tokens, tail_start
+from semif_serve.scoring.pieces import Layout, Pieces, cut_prompt
 from semif_serve.scoring.plain_text import control_tokens, plain_text
 from semif_serve.scoring.rows import Row, RowError
 from semif_serve.state_key import state_json
@@ -142,9 +142,10 @@ def check_answer_boundary(
     last added token is re-encoded, since the letter cannot reach further back (`_tail_failure`).
     """
     added = added_tokens(tokenizer)
+    endings = () if added is None else _letter_endings(added)
     memo: dict[str, tuple[list[int], dict[str, list[int]]]] = {}
     verdicts = [
-        _UNDECIDED if added is None else _tail_failure(tokenizer, added, *row, memo)
+        _UNDECIDED if added is None else _tail_failure(tokenizer, added, endings, *row, memo)
         for row in zip(texts, ids, letter_ids)
     ]
     undecided = [index for index, verdict in enumerate(verdicts) if verdict is _UNDECIDED]
@@ -183,105 +184,18 @@ def answer_boundary_failures(
     return failures
 
 
-@dataclass(frozen=True)
-class AddedTokens:
-    """The strings a fast tokenizer cuts out of any text as tokens of their own, first of all."""
-
-    contents: tuple[str, ...]
-    longest: int = field(init=False)
-    letter_endings: tuple[str, ...] = field(init=False)  # contents a letter could complete
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "longest", max(map(len, self.contents), default=0))
-        endings = tuple(content for content in self.contents if content[-1] in LETTERS)
-        object.__setattr__(self, "letter_endings", endings)
-
-    @property
-    def starts(self) -> re.Pattern:
-        """Matches (empty) where a content starts; group 1: the longest content starting there."""
-        return _starts_pattern(self.contents)
-
-
-@functools.lru_cache(maxsize=16)
-def _starts_pattern(contents: tuple[str, ...]) -> re.Pattern:
-    alternatives = "|".join(map(re.escape, sorted(contents, key=len, reverse=True)))
-    return re.compile(f"(?=({alternatives or '(?!)'}))")
-
-
-TAIL_WINDOW = 512  # characters searched first for a prompt's last added token (found near its end)
-
-
-def added_tokens(tokenizer: ChatTokenizer) -> AddedTokens | None:
-    """The added tokens of a tokenizer whose fast backend (HF `tokenizers`) cuts the text at each
-    occurrence of one, as a plain string, and then normalises, pre-tokenises and encodes every
-    piece between them on its own; so the tokens of a piece depend on that piece's text only.
-
-    None when that cannot be established: no fast backend; special tokens encoded as text; a
-    token with lstrip/rstrip/single_word (its cut depends on the neighbouring text) or, under a
-    normalizer, `normalized` (matched in normalised text); a Metaspace pre-tokenizer that marks
-    only the text's first piece. No added token at all is `AddedTokens(())`.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "split_special_tokens", False):
-        return None
-    try:
-        if backend.encode_special_tokens:
-            return None
-        tokens = list(backend.get_added_tokens_decoder().values())
-        normalizer = backend.normalizer
-        pre_tokenizer = backend.pre_tokenizer
-        pre_state = pre_tokenizer.__getstate__() if pre_tokenizer is not None else b""
-    except AttributeError:
-        return None
-    if b'"prepend_scheme":"first"' in pre_state:
-        return None
-    for token in tokens:
-        if token.lstrip or token.rstrip or token.single_word or not token.content:
-            return None
-        if token.normalized and normalizer is not None:
-            return None
-    return AddedTokens(tuple(sorted({token.content for token in tokens})))
-
-
-def tail_start(text: str, added: AddedTokens) -> int | None:
-    """Where the text after its last added-token occurrence begins. None when none occurs, or
-    when another occurrence overlaps that last one (the tokenizer's leftmost-longest matching
-    might then cut out the other one instead)."""
-    begin = max(0, len(text) - TAIL_WINDOW)
-    last, last_content = _last_occurrence(text, added, begin)
-    if begin and (last < 0 or last + len(last_content) < begin + added.longest):
-        # Not found near the end: an occurrence reaching into the window may have been missed.
-        last, last_content = _last_occurrence(text, added, 0)
-    if last < 0:
-        return None
-    end = last + len(last_content)
-    for content in added.contents:
-        # Occurrences overlapping [last, end) start in (last - len, end); none ends after `end`.
-        stop = end + len(content) - 1
-        found = text.find(content, max(0, last - len(content) + 1), stop)
-        while found >= 0:
-            if (found, content) != (last, last_content):
-                return None
-            found = text.find(content, found + 1, stop)
-    return end
-
-
-def _last_occurrence(text: str, added: AddedTokens, begin: int) -> tuple[int, str]:
-    """(start, content) of the occurrence in text[begin:] that ends last; (-1, "") if none."""
-    last, last_content = -1, ""
-    for content in added.contents:
-        start = text.rfind(content, begin)
-        if start >= 0 and start + len(content) > last + len(last_content):
-            last, last_content = start, content
-    return last, last_content
-
-
 _UNDECIDED = object()  # the tail shortcut cannot vouch for this prompt: re-encode it whole
+
+
+def _letter_endings(added: AddedTokens) -> tuple[str, ...]:
+    """The added tokens' contents that an answer letter could complete."""
+    return tuple(content for content in added.contents if content[-1] in LETTERS)
 
 
 def _tail_failure(
     tokenizer: ChatTokenizer,
     added: AddedTokens,
+    endings: tuple[str, ...],
     text: str,
     prompt_ids: list[int],
     row_letters: list[int],
@@ -291,14 +205,14 @@ def _tail_failure(
     after its last added token is a piece the tokenizer encodes on its own, in the prompt and in
     prompt + letter alike, so prompt + letter encodes as the prompt's tokens + the letter's iff
     tail + letter encodes as the tail's tokens + the letter's. `_UNDECIDED` when the tail cannot
-    be told apart, when a letter would complete an added token begun before the tail, or when
-    the tail's tokens are not the prompt's last tokens."""
+    be told apart, when a letter would complete an added token begun before the tail (`endings`:
+    `_letter_endings`), or when the tail's tokens are not the prompt's last tokens."""
     start = tail_start(text, added)
     if start is None:
         return _UNDECIDED
     tail = text[start:]
     letters = LETTERS[: len(row_letters)]
-    for content in added.letter_endings:
+    for content in endings:
         if content[-1] in letters and len(content) > len(tail) + 1 and text.endswith(content[:-1]):
             return _UNDECIDED
     if tail not in memo:
@@ -357,50 +271,6 @@ def render_all(tokenizer: ChatTokenizer, rows: list[Row], users: list[str]) -> l
     ]
 
 
-@dataclass(frozen=True)
-class Pieces:
-    """A rendered prompt in three. `head`: the template's text up to and including its last added
-    token before the user message ("" when none); `tail`: the template's text from its first
-    added token after the message; `body`: what lies between, the message and the template's
-    text around it. Only the body holds caller text. `Pieces("", text, "")`: a whole prompt."""
-
-    head: str
-    body: str
-    tail: str
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a call's rendered prompts are encoded: prompt i is `pieces[i]`, its head and tail
-    encoded by the tokenizer (`outer` holds their ids), its body by `encoder`: the tokenizer's
-    `PlainText`, or the tokenizer itself where every prompt is encoded whole."""
-
-    encoder: Any
-    pieces: list[Pieces]
-    outer: dict[str, list[int]]
-
-    @property
-    def bodies(self) -> list[str]:
-        return [pieces.body for pieces in self.pieces]
-
-    def join(self, body_ids: list[list[int]]) -> list[list[int]]:
-        """Each prompt's token ids, given its body's."""
-        outer = self.outer
-        return [
-            outer[pieces.head] + ids + outer[pieces.tail]
-            for pieces, ids in zip(self.pieces, body_ids)
-        ]
-
-    def ends(self, body_ids: list[list[int]]) -> tuple[list[str], list[list[int]]]:
-        """What each prompt's answer letter follows, and its ids: its tail (which begins at an
-        added token, so the letter cannot reach past it), or its body when it is whole."""
-        texts, ids = [], []
-        for pieces, body in zip(self.pieces, body_ids):
-            texts.append(pieces.tail or pieces.body)
-            ids.append(self.outer[pieces.tail] if pieces.tail else body)
-        return texts, ids
-
-
 def layout(tokenizer: ChatTokenizer, rows: list[Row], texts: list[str], users: list[str]) -> Layout:
     """How to encode the rows' rendered prompts `texts` (users[i]: row i's `user_message`) so
     that no caller text becomes a control token: each prompt cut around its user message
@@ -437,51 +307,6 @@ def _encode_template(tokenizer: ChatTokenizer, texts: list[str]) -> list[list[in
     if backend.padding is not None or backend.truncation is not None:
         return encode_many(tokenizer, texts)
     return [backend.encode(text, add_special_tokens=False).ids for text in texts]  # short
-
-
-def cut_prompt(
-    text: str, message: str, added: AddedTokens, head_ends: dict[str, int | None] | None = None
-) -> Pieces | None:
-    """`text` as `Pieces` around its one copy of `message`. None when the message is not there
-    exactly once, an added token's text runs over either end of it, the last added token before
-    it overlaps another (`tail_start`: the tokenizer might cut out the other one), or no added
-    token follows it (the answer letter would follow caller text). `head_ends` memoizes where
-    the last added token of a head ends."""
-    start = text.find(message)
-    if start < 0 or text.find(message, start + 1) >= 0:
-        return None
-    end = start + len(message)
-    if _crosses(text, start, added) or _crosses(text, end, added):
-        return None
-    head = text[:start]
-    head_ends = {} if head_ends is None else head_ends
-    if head not in head_ends:
-        head_ends[head] = _last_end(head, added)
-    follows = added.starts.search(text, end)
-    if head_ends[head] is None or follows is None:
-        return None
-    head_end, tail_begin = head_ends[head], follows.start()
-    return Pieces(text[:head_end], text[head_end:tail_begin], text[tail_begin:])
-
-
-def _last_end(head: str, added: AddedTokens) -> int | None:
-    """Where the last added token in `head` ends: 0 when none occurs, None when it overlaps
-    another occurrence (`tail_start`)."""
-    end = tail_start(head, added)
-    if end is None and _last_occurrence(head, added, 0)[0] < 0:
-        return 0
-    return end
-
-
-def _crosses(text: str, position: int, added: AddedTokens) -> bool:
-    """Whether an added token's text starts before `position` and ends after it."""
-    begin = max(0, position - added.longest + 1)
-    for match in added.starts.finditer(text, begin, position + added.longest - 1):
-        if match.start() >= position:
-            return False
-        if match.start() + len(match.group(1)) > position:
-            return True
-    return False
 
 
 def check_no_control_text(row: Row, message: str, control: frozenset[str]) -> None:

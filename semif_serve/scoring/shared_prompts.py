@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 from tokenizers import models
 
+from semif_serve.scoring.added_tokens import added_tokens
+from semif_serve.scoring.pieces import Layout
 from semif_serve.scoring.prompt import (
     ChatTokenizer,
     EncodedPrompt,
-    Layout,
     PromptRejected,
-    added_tokens,
     encode,
     encode_many,
     guard_prompts,
