@@ -149,6 +149,11 @@ def build_engine(
     device = resolve_device(spec.device, torch_module)  # torch only ever sees this one
     check_device(device, torch_module)
     apply_vram_cap(settings.vram_cap_gib, device, torch_module)
+    on_gpu = device != "cpu"
+    # What this model adds is measured as a difference: the process may already hold other
+    # models and stored prefixes, which must not be counted again as this model's.
+    reserved_before = torch_module.cuda.memory_reserved(device) if on_gpu else 0
+    stored_before = prefix_cache.total_bytes if prefix_cache is not None else 0
     try:
         scoring_model = load(
             spec.source,
@@ -174,7 +179,6 @@ def build_engine(
         concurrency=spec.slots,
         lock=lock,
     )
-    on_gpu = device != "cpu"
     if on_gpu:
         torch_module.cuda.reset_peak_memory_stats(device)
         allocated_before = torch_module.cuda.memory_allocated(device)
@@ -195,8 +199,11 @@ def build_engine(
         warm_up = {**warm_up, "input_tokens": shapes["largest_direct_tokens"]}
     engine.record_baseline()
     cache_budget = prefix_cache.budget_bytes if prefix_cache is not None else 0
+    stored = (prefix_cache.total_bytes if prefix_cache is not None else 0) - stored_before
     engine.resident_bytes = (
-        engine.baseline_reserved if on_gpu else parameter_bytes(scoring_model.model)
+        resident_difference(engine.baseline_reserved, reserved_before, stored)
+        if on_gpu
+        else parameter_bytes(scoring_model.model)
     )
     if on_gpu:
         budget = (
@@ -219,6 +226,12 @@ def build_engine(
     else:
         engine.max_parallel_slots = MAX_SLOTS
     return engine
+
+
+def resident_difference(reserved_after: int, reserved_before: int, stored: int) -> int:
+    """The bytes a GPU model added: reserved after its warm-up less what was reserved before
+    its load, less the prefixes its warm-up stored (the prefix cache counts those, once)."""
+    return max(reserved_after - reserved_before - stored, 0)
 
 
 ACTIVATION_FACTOR = 2  # CPU estimate: activations about as large as the attention cache

@@ -26,6 +26,7 @@ from semif_serve.boot import (
     kv_bytes_per_token,
     missing_fast_kernels,
     parameter_bytes,
+    resident_difference,
     resolve_device,
 )
 from semif_serve.errors import BadManagementRequest
@@ -358,7 +359,45 @@ def test_gpu_capacity_scales_the_warm_up_peak_to_max_tokens(
         gpu(vram_cap_gib=cap_gib, max_tokens=4096), torch_module=fake, load=Loads(scoring_model())
     )
     assert engine.max_parallel_slots == slots
-    assert engine.baseline_reserved == engine.resident_bytes == 3 * GIB
+    assert engine.baseline_reserved == 3 * GIB
+    assert engine.resident_bytes == 0  # the 3 GiB were reserved before this model loaded
+
+
+class GrowsWhileLoading(Loads):
+    """A load that reserves `grows` bytes on the fake card, as a model's weights would."""
+
+    def __init__(self, result, fake, grows):
+        super().__init__(result)
+        self.fake, self.grows = fake, grows
+
+    def __call__(self, *args, **kwargs):
+        self.fake.cuda.reserved += self.grows
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_gpu_models_resident_bytes_are_what_it_added_not_what_the_process_holds(warm_up):
+    fake = FakeTorch(total=80 * GIB)
+    fake.cuda.reserved = 7 * GIB  # another model and its stored prefixes, loaded before
+    warm_up.fake = fake
+    cache = PrefixCache(GIB)
+    stored_by_warm_up = 256 * MIB
+
+    def load_then_store_a_prefix(*args, **kwargs):  # as the warm-up decision may
+        cache._bytes += stored_by_warm_up
+        fake.cuda.reserved += stored_by_warm_up
+        return loads(*args, **kwargs)
+
+    loads = GrowsWhileLoading(scoring_model(), fake, 5 * GIB)
+    engine = build_engine(
+        gpu(vram_cap_gib=40.0), torch_module=fake, load=load_then_store_a_prefix, prefix_cache=cache
+    )
+    assert engine.baseline_reserved == 12 * GIB + stored_by_warm_up  # the whole process
+    assert engine.resident_bytes == 5 * GIB  # its own: no neighbour, no stored prefix
+
+
+def test_resident_bytes_are_never_negative():
+    assert resident_difference(3 * GIB, 4 * GIB, 0) == 0
+    assert resident_difference(10 * GIB, 4 * GIB, GIB) == 5 * GIB
 
 
 def test_the_shape_warm_up_runs_after_the_decision_and_its_largest_shape_sizes_capacity(warm_up):

@@ -335,8 +335,8 @@ class Runtime:
     def _fits_beside(self, entry: ModelEntry, spec: ModelSpec, estimate: int | None) -> bool:
         """Whether `spec`'s weights fit while the old engine still holds its memory: within
         SEMIF_MEMORY_BUDGET_GIB (every loaded model's resident bytes plus the estimate) and, on a
-        GPU, SEMIF_VRAM_CAP_GIB (every GPU model's plus the estimate; conservative, as each GPU
-        engine counts what the process had reserved after its warm-up). The estimate is the old
+        GPU, SEMIF_VRAM_CAP_GIB (every GPU model's plus the estimate; each GPU engine counts
+        what its own load and warm-up added, boot.resident_difference). The estimate is the old
         engine's own size when the weights are the same, else the source check's. With neither
         limit set nothing bounds it (always beside); with a limit and no estimate, never."""
         old = entry.spec
