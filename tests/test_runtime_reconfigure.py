@@ -434,6 +434,24 @@ def test_the_slot_check_before_a_reconfigure_applies_to_the_same_weights_only():
     assert rt.register("a", {**NEW, "slots": 3})["slots"] == 3
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{"max_tokens": 1024}, {"dtype": "bfloat16"}, {"revision": "r2"}, {"device": "cuda"}],
+)
+def test_a_reconfigure_that_changes_what_capacity_depends_on_is_checked_by_the_new_engine(
+    change,
+):
+    # Issue 22.7: lowering max_tokens to 1024 with 8 slots was refused against the old engine's 4.
+    factory = Factory(capacity=4)
+    rt = runtime(spec("a", slots=1, load_on_startup=True), factory=factory)
+    factory.capacity = 8  # what the new configuration's engine supports
+    table = {"source": "test:a", "device": "cpu", "slots": 8, **change}
+    assert rt.register("a", table)["slots"] == 8
+    factory.capacity = 2
+    with pytest.raises(BadManagementRequest, match="8 is more than the 2 this model supports"):
+        rt.register("a", {**table, "max_tokens": 512})  # refused by the new engine, after it
+
+
 def test_a_full_residency_refusal_says_why():
     rt = runtime(spec("a"), spec("b"), max_loaded_models=1)
     busy = Held(rt, "a")

@@ -215,7 +215,7 @@ class Runtime:
         if (
             entry.capacity is not None
             and spec.slots > entry.capacity
-            and spec.source == entry.spec.source
+            and _capacity_inputs(spec) == _capacity_inputs(entry.spec)
         ):
             raise BadManagementRequest(
                 f"{spec.id}.slots: {spec.slots} is more than the {entry.capacity} this model "
@@ -418,6 +418,12 @@ class Runtime:
     def _snapshot(self) -> list[ModelEntry]:
         with self._lock:
             return list(self._entries.values())
+
+
+def _capacity_inputs(spec: ModelSpec) -> tuple:
+    """What a model's slot capacity depends on: with any of it changed, only the new engine
+    can say what it supports (a lower max_tokens supports more slots)."""
+    return (spec.source, spec.revision, spec.dtype, spec.device, spec.max_tokens)
 
 
 def _resident(engine: Any) -> int:
