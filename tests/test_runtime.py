@@ -540,7 +540,23 @@ def test_one_failed_load_answers_every_request_that_waited_for_it():
         assert "the weights are broken" in str(held.error)
     assert factory.events == [("load", "a")]  # one load, not one per waiter
     assert rt.entry("a")._active == 0 and rt.entry("a").state == "unloaded"
+    factory.load_gate.clear()
+    factory.load_started.clear()
+    condition, waiting = rt.entry("a")._cond, threading.Event()
+    real_wait = condition.wait
+
+    def noted_wait(timeout=None):
+        waiting.set()  # only a request waiting for the load waits on the condition here
+        return real_wait(timeout)
+
+    condition.wait = noted_wait
     retry = Held(rt, "a")  # a later request tries a new load, which works
-    assert retry.admitted.wait(WAIT_S)
-    retry.finish()
+    assert factory.load_started.wait(WAIT_S)
+    beside = Held(rt, "a")  # and one waiting for it gets the engine, not the old failure
+    assert waiting.wait(WAIT_S)
+    factory.load_gate.set()
+    for held in (retry, beside):
+        assert held.admitted.wait(WAIT_S), held.error
+        held.finish()
+        assert held.error is None
     assert factory.events == [("load", "a"), ("load", "a")]

@@ -78,8 +78,7 @@ class ModelEntry:
         self._queue: deque[_Waiter] = deque()
         self._active = 0
         self._managed = False
-        self._loads = 0  # loads started by requests: a waiter knows which one it waited for
-        self._failed_load: tuple[int, BaseException] | None = None  # the last one that failed
+        self._failed_load: BaseException | None = None  # why the last failed load failed
 
     # -- observation (no reservation, no timer reset) -----------------------------------------
 
@@ -155,15 +154,14 @@ class ModelEntry:
         load itself."""
         with self._cond:
             if self.state == LOADING:
-                awaited = self._loads
                 self._wait_for_load(timeout, since)
-                failed = self._failed_load
-                if self.state != READY and failed is not None and failed[0] == awaited:
-                    raise _same_failure(failed[1])
+                # Only a failed load leaves LOADING for anything but READY while requests hold
+                # slots (managers wait for them), so the failure is the awaited load's.
+                if self.state != READY and self._failed_load is not None:
+                    raise _same_failure(self._failed_load)
             if self.state == READY:
                 return self.engine
             self.state = LOADING
-            self._loads += 1
         try:
             load(self)
         except BaseException as error:
@@ -252,7 +250,7 @@ class ModelEntry:
             if self.state == LOADING:
                 self.state = UNLOADED
             if error is not None:
-                self._failed_load = (self._loads, error)
+                self._failed_load = error
             self._cond.notify_all()
 
     def record_load_error(self, message: str) -> None:
