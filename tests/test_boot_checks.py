@@ -380,7 +380,16 @@ def test_a_gpu_models_resident_bytes_are_what_it_added_not_what_the_process_hold
     fake.cuda.reserved = 7 * GIB  # another model and its stored prefixes, loaded before
     warm_up.fake = fake
     cache = PrefixCache(GIB)
+    cache._bytes = 512 * MIB  # the other model's stored prefixes (inside the 7 GiB)
     stored_by_warm_up = 256 * MIB
+    devices = []
+    reserved = fake.cuda.memory_reserved
+
+    def memory_reserved(device=None):  # on a host with several cards, the wrong one would lie
+        devices.append(device)
+        return reserved(device)
+
+    fake.cuda.memory_reserved = memory_reserved
 
     def load_then_store_a_prefix(*args, **kwargs):  # as the warm-up decision may
         cache._bytes += stored_by_warm_up
@@ -393,6 +402,31 @@ def test_a_gpu_models_resident_bytes_are_what_it_added_not_what_the_process_hold
     )
     assert engine.baseline_reserved == 12 * GIB + stored_by_warm_up  # the whole process
     assert engine.resident_bytes == 5 * GIB  # its own: no neighbour, no stored prefix
+    assert devices and all(device == "cuda:0" for device in devices)
+
+
+def test_without_a_prefix_cache_a_gpu_model_counts_exactly_what_it_reserved(warm_up):
+    fake = FakeTorch(total=80 * GIB)
+    fake.cuda.reserved = 2 * GIB
+    warm_up.fake = fake
+    engine = build_engine(
+        gpu(vram_cap_gib=40.0),
+        torch_module=fake,
+        load=GrowsWhileLoading(scoring_model(), fake, 3 * GIB + 1),
+        prefix_cache=None,
+    )
+    assert engine.resident_bytes == 3 * GIB + 1
+
+
+def test_a_cpu_model_asks_the_gpu_nothing_to_count_its_weights(warm_up):
+    fake = FakeTorch()
+
+    def no_gpu_please(device=None):  # on a GPU host it would initialise CUDA for nothing
+        raise AssertionError(f"a CPU model asked for the reserved memory of {device!r}")
+
+    fake.cuda.memory_reserved = no_gpu_please
+    engine = build_engine(settings(), torch_module=fake, load=Loads(scoring_model()))
+    assert engine.resident_bytes == 5000  # its parameters
 
 
 def test_resident_bytes_are_never_negative():
