@@ -41,7 +41,7 @@ class ReplyLoop:
         if reply is None or not reply.data:
             self.after_reply(conn, keep)
             return
-        conn.out, conn.keep = memoryview(bytes(reply.data)), keep
+        conn.out, conn.keep = memoryview(reply.data), keep  # no copy: nothing writes it now
         try:
             conn.sock.setblocking(False)
         except OSError:

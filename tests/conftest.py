@@ -1,6 +1,9 @@
-"""Shared fixtures: real models built or converted locally, once per test session."""
+"""Shared fixtures: real models built or converted locally, once per test session, and a
+socketpair per test."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 from tiny_models import qwen35_tokenizer, tiny_qwen35
@@ -30,3 +33,12 @@ def builtin_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(builtin_cache) -> ScoringModel:
     return load_model("builtin:smollm2-135m", cache_dir=builtin_cache)
+
+
+@pytest.fixture
+def pair():
+    """A connected socketpair (the server's end first), closed after the test."""
+    left, right = socket.socketpair()
+    yield left, right
+    left.close()
+    right.close()

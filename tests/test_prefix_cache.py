@@ -209,11 +209,9 @@ def test_closing_the_engine_frees_its_models_entries(tiny_qwen):
     assert cache.total_bytes == 0 and cache.stats(scorer.prefix_cache.model)["entries"] == 0
 
 
-def test_out_of_memory_while_inserting_drops_entries_and_scores_cold(tiny_qwen, monkeypatch):
-    cache = PrefixCache(1 << 30, min_tokens=1)
-    scorer = TorchScorer(tiny_qwen, MAX_TOKENS, cache, torch)
-    other, row = make_rows(1, 2, state=state(5))[0], make_rows(1, 2)[0]
-    scorer.score(other)
+def out_of_memory_once_while_copying(monkeypatch) -> list:
+    """The next working copy of a stored prefix runs out of memory, later ones work; the list
+    returned holds one entry once it has."""
     real_copy = prefix_cache_module.working_copy
     failures = []
 
@@ -224,6 +222,15 @@ def test_out_of_memory_while_inserting_drops_entries_and_scores_cold(tiny_qwen, 
         return real_copy(stored)
 
     monkeypatch.setattr(prefix_cache_module, "working_copy", out_of_memory_once)
+    return failures
+
+
+def test_out_of_memory_while_inserting_drops_entries_and_scores_cold(tiny_qwen, monkeypatch):
+    cache = PrefixCache(1 << 30, min_tokens=1)
+    scorer = TorchScorer(tiny_qwen, MAX_TOKENS, cache, torch)
+    other, row = make_rows(1, 2, state=state(5))[0], make_rows(1, 2)[0]
+    scorer.score(other)
+    failures = out_of_memory_once_while_copying(monkeypatch)
     result = scorer.score(row)
 
     assert failures and result["cache_hit"] is False
@@ -242,16 +249,7 @@ def test_out_of_memory_drops_only_the_failing_models_entries(tiny_qwen, monkeypa
     scorer.score(make_rows(1, 2, state=state(6))[0])
     neighbours_bytes = neighbour.cache_stats()["bytes"]
     assert neighbours_bytes > 0 and scorer.cache_stats()["bytes"] > 0
-    real_copy = prefix_cache_module.working_copy
-    failures = []
-
-    def out_of_memory_once(stored):
-        if not failures:
-            failures.append(True)
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_copy(stored)
-
-    monkeypatch.setattr(prefix_cache_module, "working_copy", out_of_memory_once)
+    failures = out_of_memory_once_while_copying(monkeypatch)
     result = scorer.score(make_rows(1, 2, state=state(6))[0])  # a hit that fails, then cold
     assert failures and result["cache_hit"] is False
     assert neighbour.cache_stats()["bytes"] == neighbours_bytes  # untouched

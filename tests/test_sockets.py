@@ -14,14 +14,6 @@ from semif_serve.errors import RequestTooLarge
 from semif_serve.sockets import CONTINUE, DeadlineSocket, ReplyBuffer, peer_gone
 
 
-@pytest.fixture
-def pair():
-    left, right = socket.socketpair()
-    yield left, right
-    left.close()
-    right.close()
-
-
 def test_a_new_reader_has_no_deadline_no_budget_and_no_continue(pair):
     reader = DeadlineSocket(pair[0])
     assert (reader.deadline, reader.wire_limit, reader.received, reader.continue_pending) == (

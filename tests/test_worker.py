@@ -57,14 +57,6 @@ def test_the_search_resumes_across_a_split_blank_line():
     assert head_ready(head, searched)
 
 
-@pytest.fixture
-def pair():
-    left, right = socket.socketpair()
-    yield left, right
-    left.close()
-    right.close()
-
-
 def test_a_read_waits_no_longer_than_the_deadline(pair):
     reader = DeadlineSocket(pair[0])
     reader.deadline = time.monotonic() + 0.05

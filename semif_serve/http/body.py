@@ -26,6 +26,7 @@ from semif_serve.errors import (
     RequestTimeout,
     RequestTooLarge,
 )
+from semif_serve.http.errors import encodable
 
 CHUNK_BYTES = 64 * 1024
 ASCII_DIGITS = re.compile(r"[0-9]+")
@@ -151,7 +152,7 @@ def _refuse_if_lone_surrogate(text: str, path: FieldPath, is_key: bool = False) 
     escape = f"\\u{ord(found.group()):04x}"
     problem = f"contains a lone surrogate ({escape}), which is not valid Unicode text"
     if is_key:
-        shown = text.encode(errors="backslashreplace").decode()
+        shown = encodable(text)
         raise InvalidRequest(f'{_field_name(path) or "body"}: the key "{shown}" {problem}')
     raise InvalidRequest(f"{_field_name(path)}: {problem}")
 

@@ -25,6 +25,7 @@ from semif_serve.errors import (
     ServerBusy,
     Unauthorized,
 )
+from semif_serve.metrics import ABANDONED
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     OutOfMemory: (503, "out_of_memory"),
     ModelLoadFailed: (503, "model_load_failed"),
     ScoringFailed: (500, "scoring_failed"),
-    ClientGone: (499, "client_closed_request"),  # nginx's code; nobody receives it
+    ClientGone: (499, ABANDONED),  # nginx's 499; nobody receives it, /metrics counts it
 }
 FALCON_CODES = {
     400: "bad_request",
