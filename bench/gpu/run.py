@@ -4,7 +4,7 @@ Run through bench/gpu/run.sh; prints ONE JSON document and (not in --smoke) writ
 bench/results/<host>-<date>-gpu.json.
 
 1. The model: SEMIF_MODEL (+ SEMIF_REVISION) when given; else random weights with Qwen3.5-4B's
-   config (bf16) saved once as a local snapshot (a child process builds it).
+   config (bf16, bench/gpu/qwen35_4b.py) saved once as a local snapshot (a child builds it).
 2. Serving (bench/gpu/serve_check.py): a real `semif-serve serve` on that snapshot, started cold
    (empty kernel caches) and again on the same caches (restart): start-to-ready both times, the
    first decision after ready vs the warm p50, the 2k `/decide` p50 server-side, shape777-like
@@ -34,21 +34,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(HERE.parent), str(ROOT / "tests")]
 
-# Qwen3.5-4B's text model (the hub config's text part); linear-attention sizes are the
-# Qwen3_5TextConfig defaults, as in the released checkpoints.
-QWEN35_4B = dict(
-    vocab_size=248320,
-    hidden_size=2560,
-    intermediate_size=9216,
-    num_hidden_layers=32,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=256,
-    rope_theta=10_000_000,
-    partial_rotary_factor=0.25,
-    tie_word_embeddings=True,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-)
 FAST_KERNEL_MODULES = ("fla", "causal_conv1d")
 SERVING_FULL = {
     "decide_tokens": 2000,
@@ -215,7 +200,6 @@ SMOKE = {
 
 def load(smoke: bool):
     """The snapshot named by SEMIF_MODEL/SEMIF_REVISION when it is cached, else a random model."""
-    import torch
     from tiny_models import qwen35_tokenizer, tiny_qwen35
 
     from semif_serve.scoring import ModelInfo, ScoringModel
@@ -233,12 +217,9 @@ def load(smoke: bool):
         return model, f"{source} (real weights)"
     except ModelLoadError as error:
         print(f"no snapshot ({error}); random weights with Qwen3.5-4B's config", file=sys.stderr)
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from qwen35_4b import random_qwen35_4b
 
-    config = Qwen3_5TextConfig(**{**QWEN35_4B, "layer_types": QWEN35_4B["layer_types"] * 8})
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        network = Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
+    network = random_qwen35_4b()
     info = ModelInfo("random:qwen3.5-4b-config", "seed-0", "bfloat16", "cuda")
     return ScoringModel(network, qwen35_tokenizer(), info), "random weights, Qwen3.5-4B config"
 

@@ -44,19 +44,14 @@ TARGETS = {
 def save_random_snapshot(folder: Path, smoke: bool) -> Path:
     """A random Qwen3.5 (the 4B config on CUDA in bf16; the tiny one on the CPU for --smoke)
     saved with the Qwen3.5 tokenizer, so the server loads it like any local snapshot."""
-    import torch
     from tiny_models import qwen35_tokenizer, tiny_qwen35
 
     if smoke:
         network = tiny_qwen35()
     else:
-        from run import QWEN35_4B
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        from qwen35_4b import random_qwen35_4b
 
-        config = Qwen3_5TextConfig(**{**QWEN35_4B, "layer_types": QWEN35_4B["layer_types"] * 8})
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            network = Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
+        network = random_qwen35_4b()
     network.save_pretrained(folder)
     qwen35_tokenizer().save_pretrained(folder)
     return folder
