@@ -212,19 +212,18 @@ def build_engine(
             else (torch_module.cuda.get_device_properties(device).total_memory)
         )
         warm_up_bytes = torch_module.cuda.max_memory_allocated(device) - allocated_before
-        per_decision = warm_up_bytes * spec.max_tokens / max(warm_up["input_tokens"], 1)
-        engine.max_parallel_slots = derive_capacity(
-            budget - cache_budget, engine.baseline_reserved, per_decision
-        )
+        # the warm-up's peak scaled to max_tokens (memory grows about linearly with tokens)
+        per_token = warm_up_bytes / max(warm_up["input_tokens"], 1)
+        free, baseline = budget - cache_budget, engine.baseline_reserved
+        engine.warmed_max_tokens = spec.max_tokens  # longer prompts would build new shapes
     elif settings.memory_budget_gib:
-        per_decision = kv_bytes_per_token(scoring_model.model) * spec.max_tokens * ACTIVATION_FACTOR
-        engine.max_parallel_slots = derive_capacity(
-            settings.memory_budget_gib * GIB - cache_budget,
-            parameter_bytes(scoring_model.model),
-            per_decision,
-        )
+        per_token = kv_bytes_per_token(scoring_model.model) * ACTIVATION_FACTOR
+        free = settings.memory_budget_gib * GIB - cache_budget
+        baseline = parameter_bytes(scoring_model.model)
     else:
-        engine.max_parallel_slots = MAX_SLOTS
+        per_token = free = baseline = 0  # no budget: every slot fits
+    engine.capacity_for = lambda max_tokens: derive_capacity(free, baseline, per_token * max_tokens)
+    engine.max_parallel_slots = engine.capacity_for(spec.max_tokens)
     return engine
 
 

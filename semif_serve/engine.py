@@ -2,7 +2,8 @@
 
 It holds the process-wide lock (INV-2: scorer calls never overlap) and the failure policy
 (INV-4, bug hunt C4, C5, S9):
-- a ValueError is the caller's fault and passes through (422);
+- a `RowError` (the scoring package's own refusal of a row) is the caller's fault and passes
+  through (422); no other exception is;
 - an out-of-memory error (torch's OutOfMemoryError, or a RuntimeError from cuBLAS/cuDNN that says
   "out of memory") becomes `OutOfMemory` (503), reported as "CUDA out of memory" when the error
   came with no message;
@@ -13,6 +14,10 @@ tensors alive (on the card, 11.9 GiB stayed allocated after a 503).
 After every successful call on a GPU, reserved memory more than 512 MiB over the post-warm-up
 baseline plus the state-prefix cache's stored bytes is handed back (`empty_cache`), so a burst
 does not keep the card's shared headroom. Closing the engine drops the model's stored prefixes.
+
+`prepare` and `prepare_shared` encode a request before it queues, without the lock (a scorer
+with no such step gets its rows as they are), under the same failure policy less the memory
+handling; their result is what `score` and `score_shared` take.
 
 torch is passed in (`torch_module`), so the policy is tested against a fake torch.
 """
@@ -42,8 +47,10 @@ class Scorer(Protocol):
     def score(self, row: Row) -> dict[str, Any]: ...
     def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
 
-    # Optional: `cache_stats()` (the model's state-prefix cache figures, None when off),
-    # `held_bytes()` (bytes its cache keeps between calls) and `close()`.
+    # Optional: `prepare(row)` and `prepare_shared(rows)` (the encoding stage, run without the
+    # lock; `score` and `score_shared` then take their results), `cache_stats()` (the model's
+    # state-prefix cache figures, None when off), `held_bytes()` (bytes its cache keeps between
+    # calls) and `close()`.
 
 
 class Engine:
@@ -61,12 +68,17 @@ class Engine:
     ):
         self._scorer: Scorer | None = scorer
         # `lock`: one process-wide lock shared by every engine (the single-lock runtime, INV-2).
+        self._owns_lock = lock is None
         self._lock = lock or threading.BoundedSemaphore(concurrency)
         self._device = device
         self._torch = torch_module
         self.baseline_reserved: int | None = None
         self.max_parallel_slots = max_parallel_slots
         self.resident_bytes: int | None = None  # what the loaded model holds (the memory budget)
+        # Set by the loader when known: the slots that fit for a max_tokens, and (GPU) the
+        # longest prompt warm-up ran; see `capacity_at`.
+        self.capacity_for: Callable[[int], int] | None = None
+        self.warmed_max_tokens: int | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -74,6 +86,15 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         return self._scorer.model_info()
+
+    def prepare(self, row: Row) -> Any:
+        """`row` encoded for `score`, every limit checked, outside the lock (None: the model
+        has been closed meanwhile)."""
+        return self._prepared("prepare", row)
+
+    def prepare_shared(self, rows: list[Row]) -> Any:
+        """`rows` encoded for `score_shared`, as `prepare` does."""
+        return self._prepared("prepare_shared", rows)
 
     def score(self, row: Row) -> dict[str, Any]:
         return self._call(self._scorer.score, row)
@@ -85,6 +106,32 @@ class Engine:
         """The model's state-prefix cache: hits, misses, evictions, bytes, entries (None: off)."""
         stats = getattr(self._scorer, "cache_stats", None)
         return None if stats is None else stats()
+
+    def capacity_at(self, max_tokens: int) -> int | None:
+        """The slots that fit with prompts of up to `max_tokens`, for a reconfigure that keeps
+        this engine (`retune`); None when only a new engine can say: the capacity is unknown,
+        the weights on disk changed since the load, or `max_tokens` passes the longest prompt
+        warm-up ran (its shapes were never built)."""
+        if self.capacity_for is None or not hasattr(self._scorer, "max_tokens"):
+            return None
+        unchanged = getattr(self._scorer, "weights_unchanged", None)
+        if unchanged is not None and not unchanged():
+            return None  # a local folder rewritten since the load: only a reload serves it
+        if self.warmed_max_tokens is not None and max_tokens > self.warmed_max_tokens:
+            return None
+        return self.capacity_for(max_tokens)
+
+    def retune(self, max_tokens: int, slots: int) -> None:
+        """Serve prompts of up to `max_tokens` with `slots` calls at once, keeping the loaded
+        weights and stored prefixes. The caller holds the model alone (no call in flight), so
+        this engine's own slot semaphore may be replaced."""
+        capacity = self.capacity_at(max_tokens)
+        if capacity is None or slots > capacity:
+            raise ValueError(f"cannot serve {slots} slots of {max_tokens} tokens in place")
+        self._scorer.max_tokens = max_tokens
+        self.max_parallel_slots = capacity
+        if self._owns_lock:
+            self._lock = threading.BoundedSemaphore(slots)
 
     def close(self) -> None:
         """Drop the model and hand its memory back; the engine serves nothing afterwards."""
@@ -100,6 +147,21 @@ class Engine:
         """Remember reserved memory now (after warm-up): the level a finished call returns to."""
         if self.on_gpu:
             self.baseline_reserved = self._torch.cuda.memory_reserved(self._device)
+
+    def _prepared(self, name: str, argument: Any) -> Any:
+        scorer = self._scorer
+        if scorer is None:
+            return None
+        method = getattr(scorer, name, None)
+        if method is None:
+            return argument
+        try:
+            return method(argument)
+        except RowError:
+            raise
+        except Exception as error:
+            failure = self._failure(error)
+        raise failure
 
     def _call(self, method: Callable, argument: Any) -> Any:
         with self._lock:
@@ -151,8 +213,8 @@ OOM_MESSAGES = (
 
 def is_out_of_memory(error: BaseException, torch_module: Any) -> bool:
     """torch's OOM error, or a RuntimeError (CPU allocator, cuBLAS, cuDNN, CUDA) whose message
-    says so, or an `OutOfMemory` a scorer raised itself."""
-    if isinstance(error, OutOfMemory):
+    says so, Python's MemoryError, or an `OutOfMemory` a scorer raised itself."""
+    if isinstance(error, (OutOfMemory, MemoryError)):
         return True
     oom_type = getattr(torch_module, "OutOfMemoryError", None)  # torch.cuda's, exported at top
     if oom_type is not None and isinstance(error, oom_type):

@@ -14,6 +14,7 @@ torn down) and estimates the bytes its weights will hold.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from semif_serve.scoring.prefix_attention import ATTENTION_NAME as PREFIX_ATTENT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PINNED_REVISION = re.compile(r"[0-9a-f]{40}")
-LOCAL_REVISION = "local"
+LOCAL_REVISION_PREFIX = "local-sha256:"
 PATH_STARTS = ("/", "./", "../", "~")  # a hub id is "org/name"; these can only be folders
 
 
@@ -118,7 +119,7 @@ def locate(
         return Located(folder or source, revision, {}, folder)
     path = Path(source).expanduser()
     if path.is_dir():
-        return Located(path, revision or LOCAL_REVISION, {}, path)
+        return Located(path, revision or folder_revision(path), {}, path)
     if source.startswith(PATH_STARTS):
         raise ModelLoadError(f"model folder {source!r} does not exist")
     revision = check_pinned_revision(source, revision)
@@ -134,6 +135,29 @@ def locate(
             "Hugging Face cache, and nothing is downloaded (put the snapshot there first)"
         )
     return Located(source, revision, kwargs, Path(config).parent)
+
+
+def folder_revision(folder: Path) -> str:
+    """A local folder's revision when none is given: a digest of its files' names, sizes and
+    modification times, so that rewritten weights get a new revision (and the state-prefix cache
+    a new key), while two model ids on one folder share one."""
+    digest = hashlib.sha256()
+    for file in sorted(folder.iterdir()):
+        if file.is_file():
+            stat = file.stat()
+            digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return LOCAL_REVISION_PREFIX + digest.hexdigest()[:16]
+
+
+def weights_unchanged(source: str, revision: str) -> bool:
+    """False when `revision` is a local folder's digest (`folder_revision`) and the folder's
+    files have changed since (or are gone); any other revision pins its weights."""
+    if not revision.startswith(LOCAL_REVISION_PREFIX):
+        return True
+    try:
+        return folder_revision(Path(source).expanduser()) == revision
+    except OSError:
+        return False
 
 
 def inspect_source(

@@ -1,6 +1,9 @@
 """`TorchScorer`: the direct and shared scorers over one loaded model, as the engine drives them.
 
-It carries the server's max_tokens and the model's view of the process-wide state-prefix cache.
+It carries the model's `max_tokens` (a reconfigure may change it in place) and the model's view
+of the process-wide state-prefix cache.
+`prepare` and `prepare_shared` encode a request (every limit checked) without the engine lock;
+`score` and `score_shared` take what they return (or plain rows, encoded then).
 An out-of-memory error in a call while THIS model has stored prefixes drops them (never another
 model's: no caller can empty a neighbour's cache) and runs the call once more without the cache,
 so its own cache never costs a 503 that a cold call would not have had; with none stored, or on
@@ -15,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from semif_serve.engine import is_out_of_memory
+from semif_serve.scoring.inputs import DirectInput, SharedInput, direct_input, shared_input
+from semif_serve.scoring.length_bound import bytes_per_token
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
 from semif_serve.scoring.rows import Row
 
@@ -22,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class TorchScorer:
-    """The direct and shared scorers over one loaded model, with the server's max_tokens."""
+    """The direct and shared scorers over one loaded model, with its max_tokens."""
 
     def __init__(
         self,
@@ -32,9 +37,10 @@ class TorchScorer:
         torch_module: Any = None,
     ):
         self.scoring_model = scoring_model
-        self._max_tokens = max_tokens
+        self.max_tokens = max_tokens
         self._torch = torch_module
         self.prefix_cache: ModelPrefixCache | None = None
+        bytes_per_token(scoring_model.tokenizer)  # a pass over the vocabulary, once, at load
         if prefix_cache is not None and prefix_cache.budget_bytes > 0:
             identity = scoring_model.info.identity()
             self.prefix_cache = prefix_cache.for_model(tuple(sorted(identity.items())))
@@ -42,23 +48,46 @@ class TorchScorer:
     def model_info(self) -> dict[str, Any]:
         return self.scoring_model.info.identity()
 
-    def score(self, row: Row) -> dict[str, Any]:
+    def prepare(self, row: Row) -> DirectInput:
+        """Encode one row for `score`, every limit checked (needs no lock: the tokenizer only)."""
+        return direct_input(
+            self.scoring_model.tokenizer,
+            row,
+            self.max_tokens,
+            with_prefix=self.prefix_cache is not None,
+        )
+
+    def prepare_shared(self, rows: list[Row]) -> SharedInput:
+        """Encode rows over one state for `score_shared`, every limit checked (no lock)."""
+        return shared_input(self.scoring_model.tokenizer, rows, self.max_tokens)
+
+    def score(self, row: Row | DirectInput) -> dict[str, Any]:
         from semif_serve.scoring import score
 
         return self._with_fallback(
             lambda cache: score(
-                self.scoring_model, row, max_tokens=self._max_tokens, prefix_cache=cache
+                self.scoring_model, row, max_tokens=self.max_tokens, prefix_cache=cache
             )
         )
 
-    def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def score_shared(
+        self, rows: list[Row] | SharedInput
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from semif_serve.scoring import score_shared
 
         return self._with_fallback(
             lambda cache: score_shared(
-                self.scoring_model, rows, max_tokens=self._max_tokens, prefix_cache=cache
+                self.scoring_model, rows, max_tokens=self.max_tokens, prefix_cache=cache
             )
         )
+
+    def weights_unchanged(self) -> bool:
+        """Whether the loaded weights are still what the source holds (a local folder's files
+        may have been rewritten since): if not, a reconfigure must load them again."""
+        from semif_serve.loading import weights_unchanged
+
+        info = self.scoring_model.info
+        return weights_unchanged(info.source, info.revision)
 
     def cache_stats(self) -> dict[str, int] | None:
         """hits, misses, evictions, bytes and entries of this model's prefixes (None: cache off)."""

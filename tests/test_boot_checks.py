@@ -131,7 +131,7 @@ def warm_up(monkeypatch):
 
     def score(self, row):
         plan.calls += 1
-        plan.seen = (self.scoring_model, self._max_tokens, row.id)
+        plan.seen = (self.scoring_model, self.max_tokens, row.id)
         if plan.error is not None:
             raise plan.error
         if plan.fake is not None:

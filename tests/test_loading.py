@@ -16,8 +16,10 @@ from semif_serve import builtin
 from semif_serve.loading import (
     ModelLoadError,
     attention_implementation,
+    folder_revision,
     inspect_source,
     load_model,
+    weights_unchanged,
 )
 from semif_serve.scoring import score
 from semif_serve.scoring.prefix_attention import enable_prefix_attention
@@ -58,8 +60,24 @@ def test_a_local_folder_loads_in_eval_mode_with_its_revision(tmp_path):
     assert not loaded.model.training
     assert loaded.info.revision == "my-build-7"
     assert loaded.info.attention == "sdpa"
-    assert load_model(str(tmp_path)).info.revision == "local"
+    assert load_model(str(tmp_path)).info.revision == folder_revision(tmp_path)
     assert torch.equal(logits(saved, [5, 6, 7]), logits(loaded.model, [5, 6, 7]))
+
+
+def test_a_local_folders_revision_identifies_its_files(tmp_path):
+    """[22.7] Without a given revision, a folder's is a digest of its files: the same for two
+    reads (two model ids share state-prefix cache entries), new once a file is rewritten."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    first = folder_revision(tmp_path)
+    assert first.startswith("local-sha256:") and len(first) == len("local-sha256:") + 16
+    assert folder_revision(tmp_path) == first
+    assert weights_unchanged(str(tmp_path), first)
+    (tmp_path / "model.safetensors").write_bytes(b"weights, retrained")
+    assert folder_revision(tmp_path) != first
+    assert not weights_unchanged(str(tmp_path), first)
+    assert not weights_unchanged(str(tmp_path / "gone"), first)
+    assert weights_unchanged("anything", "my-build-7")  # a given revision pins the weights
 
 
 def test_the_attention_reported_is_the_configs_with_our_prefix_wrapper_as_sdpa():

@@ -211,7 +211,10 @@ class Runtime:
           the old engine and configuration serving;
         - loaded, not fitting beside: tear the old engine down, load the new one; if that
           fails, load the old configuration again; if that fails too, the model is unloaded.
-        Every failed load is the model's `last_load_error` until a load succeeds."""
+        Every failed load is the model's `last_load_error` until a load succeeds. A change that
+        leaves the weights as they are is applied to the serving engine instead (`_retune`)."""
+        if self._retune(entry, spec):
+            return
         if (
             entry.capacity is not None
             and spec.slots > entry.capacity
@@ -227,6 +230,27 @@ class Runtime:
             self._load_beside(entry, spec)
         else:
             self._load_instead(entry, spec)
+
+    def _retune(self, entry: ModelEntry, spec: ModelSpec) -> bool:
+        """Apply `spec` to the loaded engine when only `keep_alive_s`, `slots` or `max_tokens`
+        change and the engine can serve them (`capacity_at`): no reload, the model's stored
+        prefixes kept. False: only a new engine can apply `spec`."""
+        engine = entry.engine
+        if entry.state != READY or _weights(spec) != _weights(entry.spec):
+            return False
+        capacity_at = getattr(engine, "capacity_at", None)
+        capacity = None if capacity_at is None else capacity_at(spec.max_tokens)
+        if capacity is None:
+            return False
+        if spec.slots > capacity:
+            raise BadManagementRequest(
+                f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model "
+                "supports; the current configuration keeps serving"
+            )
+        engine.retune(spec.max_tokens, spec.slots)
+        entry.publish(engine, capacity, spec)
+        log.info("model %s reconfigured in place (its weights are unchanged)", spec.id)
+        return True
 
     def _load_alone(self, entry: ModelEntry, spec: ModelSpec | None = None) -> None:
         if entry.state == READY:
@@ -423,7 +447,12 @@ class Runtime:
 def _capacity_inputs(spec: ModelSpec) -> tuple:
     """What a model's slot capacity depends on: with any of it changed, only the new engine
     can say what it supports (a lower max_tokens supports more slots)."""
-    return (spec.source, spec.revision, spec.dtype, spec.device, spec.max_tokens)
+    return (*_weights(spec), spec.max_tokens)
+
+
+def _weights(spec: ModelSpec) -> tuple:
+    """Which weights a spec loads, and how: a change to any of it needs a new engine."""
+    return (spec.source, spec.revision, spec.dtype, spec.device)
 
 
 def _resident(engine: Any) -> int:

@@ -57,6 +57,23 @@ class _Decision:
 ClientCheck = Callable[[], bool]  # True once the caller has closed its connection
 
 
+@dataclass(frozen=True)
+class _Call:
+    """An engine call in its two stages: encode (no lock), then score."""
+
+    prepare: Callable[[Any, Any], Any]
+    run: Callable[[Any, Any], Any]
+
+
+DIRECT = _Call(
+    prepare=lambda engine, row: engine.prepare(row), run=lambda engine, row: engine.score(row)
+)
+SHARED = _Call(
+    prepare=lambda engine, rows: engine.prepare_shared(rows),
+    run=lambda engine, rows: engine.score_shared(rows),
+)
+
+
 class DecisionService:
     def __init__(self, runtime: Runtime, settings: Any):
         self._runtime = runtime
@@ -85,14 +102,10 @@ class DecisionService:
         _check_workload_without_orderings(workload, [decision])
         route = _routing(body)
         if decision.mode == "none":
-            row = decision.rows[0]
-            result = self._scored(route, lambda engine: engine.score(row), client_gone, [decision])
+            result = self._scored(route, DIRECT, decision.rows[0], client_gone, [decision])
             return Outcome(_building(lambda: self._with_calibration(result, workload)), 1)
         self._check_row_count([decision])
-        rows = decision.rows
-        results, _ = self._scored(
-            route, lambda engine: engine.score_shared(rows), client_gone, [decision]
-        )
+        results, _ = self._scored(route, SHARED, decision.rows, client_gone, [decision])
         return Outcome(_building(lambda: _assemble([decision], results)[0]), len(results))
 
     def decide_shared(
@@ -120,9 +133,7 @@ class DecisionService:
         _check_unique_ids(decisions)
         route = _routing(body)
         rows = [row for decision in decisions for row in decision.rows]
-        results, timing = self._scored(
-            route, lambda engine: engine.score_shared(rows), client_gone, decisions
-        )
+        results, timing = self._scored(route, SHARED, rows, client_gone, decisions)
 
         def reply() -> dict[str, Any]:
             built = _assemble(decisions, results)
@@ -136,21 +147,26 @@ class DecisionService:
     def _scored(
         self,
         route: tuple[str | None, float | None],
-        call: Callable[[Any], Any],
+        call: _Call,
+        rows: Any,
         client_gone: ClientCheck | None,
-        decisions,
+        decisions: list[_Decision],
     ) -> Any:
-        """Lease the model and, unless the caller has gone meanwhile (checked while it waits
-        and once more when it holds the model), run the engine call; a row the scorer refused
+        """Encode the rows with the loaded model's tokenizer before queueing (every limit
+        checked without holding a slot or the lock: a refusal delays no one), lease the model
+        and, unless the caller has gone meanwhile (checked while it waits and once more when it
+        holds the model), run the engine call. A request that found its model unloaded (or
+        replaced while it waited) is encoded once it holds it. A row the scorer refused
         (RowError) is a 422 naming its decision; any other failure is the engine's 500/503."""
         model_id, timeout_s = route
+        early = self._runtime.entry(model_id).engine
+        prepared = None if early is None else _refused_as_422(call.prepare, early, rows, decisions)
         with self._runtime.lease(model_id, timeout_s, client_gone) as engine:
             if client_gone is not None and client_gone():
                 raise ClientGone("the client closed its connection before its request was scored")
-            try:
-                return call(engine)
-            except RowError as error:  # only the scorer's own refusals are the caller's fault
-                raise InvalidRequest(_locate(error, decisions)) from None
+            if prepared is None or engine is not early:
+                prepared = _refused_as_422(call.prepare, engine, rows, decisions)
+            return _refused_as_422(call.run, engine, prepared, decisions)
 
     def _workload(self, body: dict[str, Any]) -> str | None:
         workload = body.get("workload")
@@ -252,6 +268,16 @@ def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
             )
         timeout_s = float(timeout_s)
     return model_id, timeout_s
+
+
+def _refused_as_422(
+    stage: Callable[[Any, Any], Any], engine: Any, argument: Any, decisions: list[_Decision]
+) -> Any:
+    """Run one stage of an engine call; a row the scorer refused is the caller's 422."""
+    try:
+        return stage(engine, argument)
+    except RowError as error:  # only the scorer's own refusals are the caller's fault
+        raise InvalidRequest(_locate(error, decisions)) from None
 
 
 def _locate(error: RowError, decisions: list[_Decision]) -> str:

@@ -12,18 +12,17 @@ from typing import Any
 import torch
 
 from semif_serve.scoring import shared
+from semif_serve.scoring.inputs import DirectInput, direct_input
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
-from semif_serve.scoring.prompt import encode_prompt
 from semif_serve.scoring.result import build_result
-from semif_serve.scoring.rows import Row, as_row
+from semif_serve.scoring.rows import Row
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
-from semif_serve.scoring.shared_prompts import encode_with_prefix
 
 
 def score(
     scoring_model: ScoringModel,
-    row: Row | dict,
+    row: Row | dict | DirectInput,
     *,
     max_tokens: int,
     buckets: Buckets | None | str = AUTO,
@@ -35,18 +34,18 @@ def score(
     length bucket; the result is the same (see `semif_serve.scoring.shapes`). With a
     `prefix_cache` and a state prefix long enough to cache, the row runs as the shared scorer
     runs one row: its state prefix prefilled (or resumed from a stored prefill), then its
-    suffix; the result is the same within float rounding (see tests/test_prefix_cache.py)."""
-    started = perf_counter()
-    parsed = as_row(row)
+    suffix; the result is the same within float rounding (see tests/test_prefix_cache.py).
+    A `DirectInput` (encoded beforehand, `inputs.direct_input`) is scored as it is."""
+    if not isinstance(row, DirectInput) or row.max_tokens != max_tokens:
+        with_prefix = prefix_cache is not None
+        row = direct_input(scoring_model.tokenizer, _row(row), max_tokens, with_prefix=with_prefix)
+    started = perf_counter() - row.encode_seconds
+    parsed, prompt, prefix_ids = row.row, row.prompt, row.prefix_ids
     model = scoring_model.model
     buckets = resolve(buckets, model.device)
-    if prefix_cache is None:
-        prompt, prefix_ids = encode_prompt(scoring_model.tokenizer, parsed, max_tokens), None
-    else:
-        prompt, prefix_ids = encode_with_prefix(scoring_model.tokenizer, parsed, max_tokens)
 
     forward_started = perf_counter()
-    if prefix_ids is not None and prefix_cache.caches(len(prefix_ids)):
+    if prefix_ids is not None and prefix_cache is not None and prefix_cache.caches(len(prefix_ids)):
         logits, timing = shared.forward(model, prefix_ids, [prompt], buckets, prefix_cache)
         letter_logits, cache_hit = logits[0], timing["cache_hit"]
     else:
@@ -66,6 +65,10 @@ def score(
         forward_seconds=forward_seconds,
         total_seconds=perf_counter() - started,
     ) | {"cache_hit": cache_hit, "prefix_sha256": shared.state_prefix_sha256(parsed, prompt.text)}
+
+
+def _row(row: Row | dict | DirectInput) -> Row | dict:
+    return row.row if isinstance(row, DirectInput) else row
 
 
 def last_logits(model: Any, ids: list[int], buckets: Buckets | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from semif_serve.scoring.added_tokens import AddedTokens, added_tokens, tail_start
+from semif_serve.scoring.length_bound import bytes_per_token, fewest_tokens
 from semif_serve.scoring.pieces import Layout, Pieces, cut_prompt
 from semif_serve.scoring.plain_text import control_tokens, plain_text
 from semif_serve.scoring.rows import Row, RowError
@@ -236,6 +237,22 @@ def check_length(ids: list[int], max_tokens: int) -> None:
         )
 
 
+def check_fewest_tokens(tokenizer: ChatTokenizer, texts: list[str], max_tokens: int) -> None:
+    """The cheap length guard, before any encoding: refuse a rendered prompt whose bytes alone
+    prove it longer than `max_tokens` (`length_bound`; no bound, no refusal here)."""
+    bound = bytes_per_token(tokenizer)
+    if bound is None:
+        return
+    for index, text in enumerate(texts):
+        fewest = fewest_tokens(text, bound)
+        if fewest > max_tokens:
+            raise PromptRejected(
+                f"max_tokens: the prompt has at least {fewest} tokens, over the limit of "
+                f"{max_tokens} (prompts are never truncated)",
+                row_index=index,
+            )
+
+
 def encode_prompt(tokenizer: ChatTokenizer, row: Row, max_tokens: int) -> EncodedPrompt:
     """Render and encode the row's prompt, applying every guard."""
     try:
@@ -255,6 +272,7 @@ def encode_prompts(
     """
     users = [user_message(row) for row in rows]
     texts = render_all(tokenizer, rows, users)
+    check_fewest_tokens(tokenizer, texts, max_tokens)
     plan = layout(tokenizer, rows, texts, users)
     body_ids = encode_many(plan.encoder, plan.bodies)
     return guard_prompts(

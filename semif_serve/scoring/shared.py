@@ -33,6 +33,7 @@ from semif_serve.scoring.cache import (
     share_prefix,
     working_copy,
 )
+from semif_serve.scoring.inputs import SharedInput, shared_input
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_attention
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
@@ -40,7 +41,7 @@ from semif_serve.scoring.prompt import EncodedPrompt, prompt_sha256
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import Row
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
-from semif_serve.scoring.shared_prompts import encode_shared, state_head_end
+from semif_serve.scoring.shared_prompts import state_head_end
 
 SERVING_CONFIG = "native-state-prefix-parallel-v1"
 PACKED_CHUNK_TOKENS = 512
@@ -48,7 +49,7 @@ PACKED_CHUNK_TOKENS = 512
 
 def score_shared(
     scoring_model: ScoringModel,
-    rows: list[Row | dict],
+    rows: list[Row | dict] | SharedInput,
     *,
     max_tokens: int,
     buckets: Buckets | None | str = AUTO,
@@ -58,10 +59,13 @@ def score_shared(
 
     `buckets` (`shapes.AUTO`: on for CUDA models, off on the CPU) gives every forward a
     bucketed shape; the results are the same (see `semif_serve.scoring.shapes`). With
-    `prefix_cache`, a stored prefill of the state prefix is reused (same results)."""
-    started = perf_counter()
-    parsed, prompts, prefix_ids = encode_shared(scoring_model.tokenizer, rows, max_tokens)
-    encode_seconds = perf_counter() - started
+    `prefix_cache`, a stored prefill of the state prefix is reused (same results). A
+    `SharedInput` (encoded beforehand, `inputs.shared_input`) is scored as it is."""
+    if not isinstance(rows, SharedInput) or rows.max_tokens != max_tokens:
+        plain = rows.rows if isinstance(rows, SharedInput) else rows
+        rows = shared_input(scoring_model.tokenizer, plain, max_tokens)
+    started = perf_counter() - rows.encode_seconds
+    parsed, prompts, prefix_ids = rows.rows, rows.prompts, rows.prefix_ids
 
     model = scoring_model.model
     letter_logits, forward_timing = forward(
@@ -92,7 +96,7 @@ def score_shared(
     prefix_tokens = forward_timing.pop("prefix_tokens")
     timing = {
         "total_seconds": total_seconds,
-        "encode_seconds": encode_seconds,
+        "encode_seconds": rows.encode_seconds,
         "prefix_tokens": prefix_tokens,
         **forward_timing,
         "batch_size": len(parsed),

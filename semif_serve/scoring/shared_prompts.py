@@ -32,6 +32,7 @@ from semif_serve.scoring.prompt import (
     ChatTokenizer,
     EncodedPrompt,
     PromptRejected,
+    check_fewest_tokens,
     encode,
     encode_many,
     guard_prompts,
@@ -63,6 +64,7 @@ def encode_shared(
     parsed = check_shared_rows(_parse_rows(rows))
     users = [user_message(row) for row in parsed]
     texts = _for_rows(render_all, tokenizer, parsed, users)
+    _for_rows(check_fewest_tokens, tokenizer, texts, max_tokens)
     plan = _for_rows(layout, tokenizer, parsed, texts, users)
     body_ids, cut = encode_bodies(plan, parsed[0], texts[0])
     ids = plan.join(body_ids)
@@ -80,6 +82,7 @@ def encode_with_prefix(
     try:
         users = [user_message(row)]
         texts = render_all(tokenizer, [row], users)
+        check_fewest_tokens(tokenizer, texts, max_tokens)
         plan = layout(tokenizer, [row], texts, users)
         body_ids, cut = encode_bodies(plan, row, texts[0])
         ends = plan.ends(body_ids)

@@ -1,0 +1,61 @@
+"""A request's rows encoded before the model is needed: the scorers' first stage, on its own.
+
+Encoding needs only the tokenizer, and it is where every request limit is checked (`max_tokens`,
+the control-token, letter and answer-boundary guards). The server encodes a request before it
+takes a slot or the engine lock, so an over-long prompt is refused without delaying anyone
+(issue 22), and the scorers take the result (`DirectInput`, `SharedInput`) instead of encoding
+again. An input records the `max_tokens` it was checked against: a scorer given one checked
+against another limit encodes its rows afresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter
+
+from semif_serve.scoring.prompt import ChatTokenizer, EncodedPrompt, encode_prompt
+from semif_serve.scoring.rows import Row, as_row
+from semif_serve.scoring.shared_prompts import encode_shared, encode_with_prefix
+
+
+@dataclass(frozen=True)
+class DirectInput:
+    """One row and its prompt, for the direct scorer."""
+
+    row: Row
+    prompt: EncodedPrompt
+    prefix_ids: list[int] | None  # its state prefix; None: not asked for, or not located
+    max_tokens: int
+    encode_seconds: float
+
+
+@dataclass(frozen=True)
+class SharedInput:
+    """Rows over one exact state, their prompts and the state prefix they all begin with."""
+
+    rows: list[Row]
+    prompts: list[EncodedPrompt]
+    prefix_ids: list[int]
+    max_tokens: int
+    encode_seconds: float
+
+
+def direct_input(
+    tokenizer: ChatTokenizer, row: Row | dict, max_tokens: int, *, with_prefix: bool
+) -> DirectInput:
+    """Encode one row with every guard; `with_prefix` also locates its state prefix (for the
+    state-prefix cache), the state tokenized once for both."""
+    started = perf_counter()
+    parsed = as_row(row)
+    if with_prefix:
+        prompt, prefix_ids = encode_with_prefix(tokenizer, parsed, max_tokens)
+    else:
+        prompt, prefix_ids = encode_prompt(tokenizer, parsed, max_tokens), None
+    return DirectInput(parsed, prompt, prefix_ids, max_tokens, perf_counter() - started)
+
+
+def shared_input(tokenizer: ChatTokenizer, rows: list[Row | dict], max_tokens: int) -> SharedInput:
+    """Encode rows over one exact state with every guard (`shared_prompts.encode_shared`)."""
+    started = perf_counter()
+    parsed, prompts, prefix_ids = encode_shared(tokenizer, rows, max_tokens)
+    return SharedInput(parsed, prompts, prefix_ids, max_tokens, perf_counter() - started)
