@@ -4,10 +4,10 @@ It carries the model's `max_tokens` (a reconfigure may change it in place) and t
 of the process-wide state-prefix cache.
 `prepare` and `prepare_shared` encode a request (every limit checked) without the engine lock;
 `score` and `score_shared` take what they return (or plain rows, encoded then).
-An out-of-memory error in a call while THIS model has stored prefixes drops them (never another
-model's: no caller can empty a neighbour's cache) and runs the call once more without the cache,
-so its own cache never costs a 503 that a cold call would not have had; with none stored, or on
-a second out-of-memory, the error goes to the engine's policy (503) at once.
+An out-of-memory error in a call goes through `oom_policy`: some of THIS model's stored prefixes
+(never another model's), oldest first, may be dropped to cover what the allocation lacked, and
+the call runs once more without the cache; otherwise, or on a second out-of-memory, the error
+goes to the engine's policy (503) at once.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from semif_serve.engine import is_out_of_memory
+from semif_serve.errors import OutOfMemory
+from semif_serve.oom_policy import bytes_to_drop, shortfall
 from semif_serve.scoring.inputs import DirectInput, SharedInput, direct_input, shared_input
 from semif_serve.scoring.length_bound import bytes_per_token
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
@@ -98,27 +100,34 @@ class TorchScorer:
         return 0 if self.prefix_cache is None else self.prefix_cache.store.total_bytes
 
     def close(self) -> None:
-        """Forget this model's stored prefixes (the model is going)."""
+        """The model is going: its stored prefixes go too, unless another loaded model id on
+        the same weights still uses them."""
         if self.prefix_cache is not None:
-            self.prefix_cache.drop()
+            self.prefix_cache.close()
 
     def _with_fallback(self, call: Callable[[ModelPrefixCache | None], Any]) -> Any:
+        """Run `call` with this model's prefix cache; on out of memory, `oom_policy` decides
+        whether some of its stored prefixes go and the call runs once more without the cache,
+        or the error is a 503 at once."""
         cache = self.prefix_cache
         try:
             return call(cache)
         except Exception as error:
             if cache is None or not is_out_of_memory(error, self._torch_module()):
                 raise
-            if not cache.stats()["bytes"]:
-                raise  # this model stores nothing: dropping others' entries is not its call
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            message = str(error)
         # Outside the except block, so the failed call's frames (and tensors) are gone.
-        freed = cache.drop()
+        stored = cache.stats()["bytes"]
+        wanted = bytes_to_drop(stored, shortfall(message))
+        freed = 0 if wanted is None else cache.drop(at_least=wanted)
+        if wanted is None or freed < wanted:
+            raise OutOfMemory(message)
         log.warning(
-            "out of memory with %d stored prefix bytes of this model (%s): dropped them, "
-            "scoring again without the prefix cache",
+            "out of memory (%s): dropped %d of this model's %d stored prefix bytes, scoring "
+            "again without the prefix cache",
+            message.strip().splitlines()[0] if message.strip() else "no message",
             freed,
-            message,
+            stored,
         )
         gc.collect()
         self._empty_device_cache()

@@ -361,6 +361,27 @@ def test_gpu_capacity_scales_the_warm_up_peak_to_max_tokens(
     assert engine.max_parallel_slots == slots
     assert engine.baseline_reserved == 3 * GIB
     assert engine.resident_bytes == 0  # the 3 GiB were reserved before this model loaded
+    # A reconfigure in place asks the same rule at another max_tokens (issue 22.7), up to the
+    # longest prompt warm-up ran.
+    assert engine.capacity_for(4096) == slots
+    assert engine.warmed_max_tokens == 4096
+
+
+def test_the_gpu_capacity_rule_at_another_max_tokens(warm_up):
+    fake = FakeTorch(total=80 * GIB)
+    fake.cuda.reserved, fake.cuda.allocated = 3 * GIB, 2 * GIB
+    warm_up.fake, warm_up.input_tokens, warm_up.peak = fake, 100, 100 * MIB
+    engine = build_engine(
+        gpu(vram_cap_gib=20.0, max_tokens=4096), torch_module=fake, load=Loads(scoring_model())
+    )
+    # 1 MiB a token beside 3 GiB in 20 GiB: 17 GiB / (max_tokens MiB)
+    assert [engine.capacity_for(tokens) for tokens in (4096, 2048, 1024, 17 * 1024)] == [
+        4,
+        8,
+        16,
+        1,
+    ]
+    assert engine.capacity_at(8192) is None  # past the warmed shapes: only a reload can tell
 
 
 class GrowsWhileLoading(Loads):
@@ -458,8 +479,11 @@ def test_cpu_capacity_comes_from_the_memory_budget_and_the_attention_cache(warm_
     config = settings(memory_budget_gib=1.0, max_tokens=65536)
     engine = build_engine(config, torch_module=FakeTorch(), load=Loads(scoring_model()))
     assert engine.max_parallel_slots == 7 and engine.resident_bytes == 5000
+    assert engine.capacity_for(32768) == 15  # the same rule at another max_tokens (22.7)
+    assert engine.warmed_max_tokens is None  # the CPU builds no shapes: any max_tokens in place
     engine = build_engine(settings(), torch_module=FakeTorch(), load=Loads(scoring_model()))
     assert engine.max_parallel_slots == 16
+    assert engine.capacity_for(1 << 20) == 16
 
 
 def test_the_prefix_cache_budget_is_kept_out_of_the_slot_capacity(warm_up):

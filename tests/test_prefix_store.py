@@ -455,3 +455,45 @@ def test_stats_count_every_hit_and_miss_since_the_start():
     assert cache.stats(MODEL) == counts(hits=3, misses=3, entries=3)
     cache.drop()
     assert cache.stats(MODEL) == counts(hits=3, misses=3)
+
+
+# -- what an out-of-memory error and a closing model may forget (issue 22, findings 4 and 7) ----
+
+
+def test_drop_oldest_forgets_unheld_entries_least_recently_used_first_until_enough():
+    cache = PrefixCache(1 << 20, min_tokens=1)
+    for ids in ([1], [2], [3], [4]):
+        use(cache, ids)
+    use(cache, [9], model=OTHER_MODEL)
+    use(cache, [1])  # now the most recently used
+    with cache.resume(MODEL, [2], lambda: stored_prefix(4)):  # held by a running call
+        assert cache.drop_oldest(MODEL, 2 * ENTRY - 1) == 2 * ENTRY  # [3] and [4], not [2]
+    assert stored(cache) == [(9,), (1,), (2,)]
+    assert cache.drop_oldest(MODEL, ENTRY) == ENTRY and stored(cache) == [(9,), (2,)]
+    assert cache.drop_oldest(MODEL, 0) == 0 and stored(cache) == [(9,), (2,)]
+    assert cache.drop_oldest(MODEL, 10 * ENTRY) == ENTRY  # all it has
+    assert stored(cache) == [(9,)] and cache.total_bytes == ENTRY  # the neighbour's stays
+
+
+def test_a_views_drop_is_all_or_the_oldest():
+    cache = PrefixCache(1 << 20, min_tokens=1)
+    view = cache.for_model(MODEL)
+    for ids in ([1], [2], [3]):
+        use(cache, ids)
+    assert view.drop(at_least=1) == ENTRY and stored(cache) == [(2,), (3,)]
+    assert view.drop() == 2 * ENTRY and stored(cache) == []
+
+
+def test_entries_shared_by_two_model_ids_go_with_the_last_of_them():
+    cache = PrefixCache(1 << 20, min_tokens=1)
+    first, second = cache.for_model(MODEL), cache.for_model(MODEL)  # one folder, two ids
+    other = cache.for_model(OTHER_MODEL)
+    use(cache, [1])
+    use(cache, [1], model=OTHER_MODEL)
+    assert first.close() == 0 and stored(cache) == [(1,), (1,)]  # the second id still serves
+    assert use(cache, [1])
+    assert second.close() == ENTRY and cache.stats(MODEL)["entries"] == 0
+    assert other.close() == ENTRY and cache.total_bytes == 0
+    again = cache.for_model(MODEL)  # loaded again later: counted afresh
+    use(cache, [1])
+    assert again.close() == ENTRY

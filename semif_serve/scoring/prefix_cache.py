@@ -10,8 +10,8 @@ Entries never change once stored: a call resumes from `cache.working_copy(entry)
 counts the entries' real tensor bytes; the least recently used entries are evicted first, but
 never one that a running call holds (each use pins its entry). Prefixes shorter than
 `min_tokens` are not worth a lookup and are not cached. One `PrefixCache` serves the process;
-each loaded model uses it through its `ModelPrefixCache` view, which drops the model's entries
-when the model goes.
+each loaded model uses it through its `ModelPrefixCache` view; the entries of a weights identity
+go when the last model using them goes (two model ids on the same weights share them).
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ class PrefixCache:
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._bytes = 0
         self._counts: dict[tuple, Counter] = {}
+        self._users: Counter = Counter()  # loaded engines per model identity
 
     def for_model(self, model: tuple) -> ModelPrefixCache:
-        """The view one loaded model uses; `model` is its identity (source, revision, ...)."""
+        """The view one loaded model uses; `model` is its identity (source, revision, ...).
+        Its `close()` ends that use (the entries go with the identity's last user)."""
+        self.attach(model)
         return ModelPrefixCache(self, model)
 
     def caches(self, prefix_length: int) -> bool:
@@ -111,6 +114,32 @@ class PrefixCache:
         with self._lock:
             keys = [key for key, entry in self._entries.items() if model in (None, entry.model)]
             return sum(self._remove(key) for key in keys)
+
+    def drop_oldest(self, model: tuple, at_least: int) -> int:
+        """Forget `model`'s entries that no call holds, least recently used first, until at
+        least `at_least` bytes are forgotten (or none is left); returns the bytes forgotten."""
+        with self._lock:
+            freed = 0
+            for key in [key for key, entry in self._entries.items() if entry.model == model]:
+                if freed >= at_least:
+                    break
+                if not self._entries[key].pins:
+                    freed += self._remove(key)
+            return freed
+
+    def attach(self, model: tuple) -> None:
+        """One more loaded engine uses `model`'s entries (two model ids on the same weights)."""
+        with self._lock:
+            self._users[model] += 1
+
+    def detach(self, model: tuple) -> int:
+        """One engine of `model` is going: when it was the last, its entries go too (bytes)."""
+        with self._lock:
+            self._users[model] -= 1
+            if self._users[model] > 0:
+                return 0
+            del self._users[model]
+        return self.drop(model)
 
     def _take(self, key: tuple) -> _Entry | None:
         with self._lock:
@@ -175,5 +204,13 @@ class ModelPrefixCache:
     def stats(self) -> dict[str, int]:
         return self.store.stats(self.model)
 
-    def drop(self) -> int:
-        return self.store.drop(self.model)
+    def drop(self, at_least: int | None = None) -> int:
+        """Forget this model's entries: all of them, or the oldest that no call holds until
+        `at_least` bytes are forgotten."""
+        if at_least is None:
+            return self.store.drop(self.model)
+        return self.store.drop_oldest(self.model, at_least)
+
+    def close(self) -> int:
+        """The model is going: its entries go too, unless another loaded model id shares them."""
+        return self.store.detach(self.model)
