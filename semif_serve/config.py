@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 class Settings:
     api_token: str = field(repr=False)
     model: str = DEFAULT_MODEL
-    revision: str = DEFAULT_REVISION
+    revision: str | None = DEFAULT_REVISION
     device: str = "cuda"
     dtype: str = "bfloat16"
     vram_cap_gib: float | None = None
@@ -85,10 +85,11 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
     dtype = env.get("SEMIF_DTYPE", default_dtype)
     if dtype not in DTYPES:
         raise ConfigError(f"SEMIF_DTYPE: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model = _nonempty(env, "SEMIF_MODEL", DEFAULT_MODEL)
     return Settings(
         api_token=parse_token(env.get("SEMIF_API_TOKEN")),
-        model=_nonempty(env, "SEMIF_MODEL", DEFAULT_MODEL),
-        revision=_nonempty(env, "SEMIF_REVISION", DEFAULT_REVISION),
+        model=model,
+        revision=parse_revision(env, model),
         device=device,
         dtype=dtype,
         vram_cap_gib=parse_gib(env.get("SEMIF_VRAM_CAP_GIB"), "SEMIF_VRAM_CAP_GIB"),
@@ -287,6 +288,14 @@ def load_calibration(path: str | None) -> Mapping[str, float]:
                 f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {temperature!r}"
             )
     return MappingProxyType({workload: float(t) for workload, t in table.items()})
+
+
+def parse_revision(env: Mapping[str, str], model: str) -> str | None:
+    """SEMIF_REVISION; unset, the default model's pinned commit when SEMIF_MODEL is that model,
+    else none: a built-in model and a local folder name their own, and a hub id must pin one."""
+    if "SEMIF_REVISION" in env:
+        return _nonempty(env, "SEMIF_REVISION", "")
+    return DEFAULT_REVISION if model == DEFAULT_MODEL else None
 
 
 def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:

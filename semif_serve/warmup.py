@@ -30,9 +30,9 @@ import torch
 
 from semif_serve.engine import is_out_of_memory
 from semif_serve.scoring import direct, shared
+from semif_serve.scoring.packed import PACKED_CHUNK_TOKENS
 from semif_serve.scoring.prompt import EncodedPrompt
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
-from semif_serve.scoring.shared import PACKED_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 

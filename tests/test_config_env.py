@@ -92,8 +92,29 @@ def test_each_variable_sets_its_own_field_and_nothing_else(variable, text, field
     settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, variable: text})
     assert getattr(settings, field) == expected
     changed = {name: value for name, value in fields(settings).items() if value != DEFAULTS[name]}
-    # The device also chooses the dtype and the fast-kernel requirement (below).
-    assert set(changed) == {field}
+    # The device also chooses the dtype and the fast-kernel requirement (below); another model
+    # has no default revision (test_the_default_revision_is_the_default_models_only).
+    assert set(changed) == {field} | ({"revision"} if variable == "SEMIF_MODEL" else set())
+
+
+@pytest.mark.parametrize(
+    ("env", "revision"),
+    [
+        ({}, DEFAULT_REVISION),
+        ({"SEMIF_MODEL": DEFAULT_MODEL}, DEFAULT_REVISION),
+        ({"SEMIF_MODEL": "builtin:smollm2-135m"}, None),  # it names its own
+        ({"SEMIF_MODEL": "/models/mine"}, None),  # a folder's is its files' digest
+        ({"SEMIF_MODEL": "org/other-model"}, None),  # a hub id must pin one: refused at load
+        ({"SEMIF_MODEL": "org/other-model", "SEMIF_REVISION": "0123abc"}, "0123abc"),
+        ({"SEMIF_MODEL": "builtin:smollm2-135m", "SEMIF_REVISION": "mine"}, "mine"),
+    ],
+)
+def test_the_default_revision_is_the_default_models_only(env, revision):
+    """Issue 24: one revision per model: the default model's pinned commit no longer labels a
+    built-in model or a folder (GET /v1/models showed it for builtin:smollm2-135m)."""
+    settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, **env})
+    assert settings.revision == revision
+    assert settings.model == env.get("SEMIF_MODEL", DEFAULT_MODEL)
 
 
 def test_the_cpu_device_defaults_to_float32_and_does_not_require_fast_kernels():

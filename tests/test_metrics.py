@@ -76,3 +76,18 @@ def test_each_loaded_models_prefix_cache_is_exported():
     assert not [
         key for key in samples if key[0].startswith("semif_prefix_cache") and key[1] != model_a
     ]
+
+
+def test_the_startup_load_is_counted_though_it_ran_before_the_app_existed():
+    """Issue 24: production loads the startup models, then builds the app and its metrics."""
+    config = settings()
+    rt = Runtime(config, Factory(), [spec("a", load_on_startup=True)], "a")
+    rt.start(idle_interval_s=None)  # before create_app, as server.production_app does
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    api.simulate_post("/decide", json=row(), headers=AUTH)
+    samples = scrape(api)
+    assert samples[("semif_model_events_total", (("event", "load"), ("model", "a")))] == 1
+    rt.unload("a")
+    samples = scrape(api)
+    assert samples[("semif_model_events_total", (("event", "unload"), ("model", "a")))] == 1
+    assert samples[("semif_model_events_total", (("event", "load"), ("model", "a")))] == 1

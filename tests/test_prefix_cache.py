@@ -270,7 +270,7 @@ def test_out_of_memory_with_only_a_neighbours_entries_is_503_at_once(tiny_qwen, 
         calls.append(True)
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr("semif_serve.scoring.shared._prefill", out_of_memory)
+    monkeypatch.setattr("semif_serve.scoring.prefill.prefill", out_of_memory)
     with pytest.raises(OutOfMemory, match="CUDA out of memory"):
         scorer.score(make_rows(1, 2)[0])
     assert len(calls) == 1  # not run again
@@ -283,6 +283,6 @@ def test_out_of_memory_with_nothing_stored_is_the_engines_to_report(tiny_qwen, m
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr("semif_serve.scoring.shared._prefill", out_of_memory)
+    monkeypatch.setattr("semif_serve.scoring.prefill.prefill", out_of_memory)
     with pytest.raises(OutOfMemory, match="CUDA out of memory"):
         scorer.score(make_rows(1, 2)[0])

@@ -390,6 +390,7 @@ def test_status_reports_every_field_and_reserves_nothing():
     assert holder.admitted.wait(WAIT_S)
     [during] = rt.status()
     assert during["active_slots"] == 1 and during["max_parallel_slots"] == 16 and during["loaded"]
+    assert during["revision"] == "0" * 40  # the loaded engine's own (issue 24: one revision)
     holder.finish()
 
 
@@ -522,6 +523,26 @@ def test_a_request_waiting_for_a_load_gets_server_busy_at_its_own_timeout():
     assert loader.admitted.wait(WAIT_S)
     loader.finish()
     assert factory.events == [("load", "a")]
+
+
+def test_a_request_waiting_for_a_load_leaves_when_its_caller_does():
+    factory = Factory()
+    factory.load_gate = threading.Event()
+    rt = runtime(spec("a", slots=2), factory=factory)
+    loader = Held(rt, "a")  # admitted first: it loads
+    assert factory.load_started.wait(WAIT_S)
+    left = threading.Event()
+    waiter = Held(rt, "a", gone=left.is_set)  # admitted to the spare slot, waits for the load
+    wait_until(lambda: rt.entry("a")._active == 2)
+    left.set()
+    assert waiter.done.wait(WAIT_S)
+    assert isinstance(waiter.error, ClientGone)
+    assert "left while waiting for model 'a'" in str(waiter.error)
+    assert rt.entry("a")._active == 1  # its slot was released; the load goes on
+    factory.load_gate.set()
+    assert loader.admitted.wait(WAIT_S)
+    loader.finish()
+    waiter.finish()
 
 
 def test_one_failed_load_answers_every_request_that_waited_for_it():

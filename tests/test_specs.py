@@ -64,6 +64,7 @@ def test_the_runtime_is_built_from_the_file(tmp_path):
     ("text", "message"),
     [
         ('[a]\nsource = "x"\nslots = 2\n', "a.slots: explicit slots need the parallel runtime"),
+        ('[a]\nsource = "x"\nslots = 99\n', "a.slots: must be an integer 1..16, got 99"),
         (
             '[a]\nsource = "x"\n[b]\nsource = "y"\n',
             "exactly one model must have default = true, found 0",

@@ -30,7 +30,7 @@ def create_app(
     admission = Admission(in_flight or InFlightLimit(settings.max_queue))
     runtime = service.runtime
     metrics = Metrics(runtime.status, lambda: admission.limit.in_flight)
-    runtime.on_event = metrics.model_event
+    runtime.listen(metrics.model_event)
     auth = BearerAuth(settings.api_token, settings.admin_token)
     literal = frozenset({"/health", "/metrics", "/decide", "/decide/shared", "/v1/models"})
     in_progress = InProgress()

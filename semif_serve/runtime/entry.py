@@ -93,12 +93,18 @@ class ModelEntry:
                 "queued_requests": sum(1 for w in self._queue if w.is_request),
                 "max_parallel_slots": self.capacity,
                 "source": self.spec.source,
-                "revision": self.spec.revision,
+                "revision": self._revision(),
                 "keep_alive_s": self.spec.keep_alive_s,
                 "last_used": self.last_used,
                 "last_load_error": self.last_load_error,
                 "prefix_cache": self._cache_stats(),
             }
+
+    def _revision(self) -> str | None:
+        """The loaded weights' revision, as results and /health report it (a built-in model's
+        and a folder's are set at load), else the configured one."""
+        info = getattr(self.engine, "model_info", None)
+        return self.spec.revision if info is None else info().get("revision", self.spec.revision)
 
     def _cache_stats(self) -> dict[str, int] | None:
         """The loaded model's state-prefix cache figures (None: not loaded, or the cache off)."""
@@ -127,7 +133,7 @@ class ModelEntry:
             self._active += 1
             self._cond.notify_all()  # the next request may take a spare slot
         try:
-            return self._ready_engine(load, timeout, waiter.enqueued)
+            return self._ready_engine(load, timeout, waiter.enqueued, gone)
         except BaseException:
             self.release()
             raise
@@ -147,14 +153,20 @@ class ModelEntry:
         )
 
     def _ready_engine(
-        self, load: Callable[[ModelEntry], None], timeout: float | None, since: float
+        self,
+        load: Callable[[ModelEntry], None],
+        timeout: float | None,
+        since: float,
+        gone: Callable[[], bool] | None = None,
     ) -> Any:
         """An admitted request's engine: wait for a load in progress (within what is left of
-        its queue timeout, counted from `since`; its failure is this request's too), or do the
-        load itself."""
+        its queue timeout, counted from `since`, while its caller stays; its failure is this
+        request's too), or do the load itself."""
         with self._cond:
             if self.state == LOADING:
-                self._wait_for_load(timeout, since)
+                self._wait_until(
+                    lambda: self.state != LOADING, timeout, gone, since, " (it was loading)"
+                )
                 # Only a failed load leaves LOADING for anything but READY while requests hold
                 # slots (managers wait for them), so the failure is the awaited load's.
                 if self.state != READY and self._failed_load is not None:
@@ -168,18 +180,6 @@ class ModelEntry:
             self.abort_load(error)
             raise
         return self.engine
-
-    def _wait_for_load(self, timeout: float | None, since: float) -> None:
-        if timeout:
-            timeout = min(MAX_WAIT_S, timeout)  # in this order, a NaN becomes MAX_WAIT_S too
-        deadline = None if not timeout else since + timeout
-        while self.state == LOADING:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise QueueTimeout(
-                    f"waited {timeout:g} s for model {self.spec.id!r} (it was loading)"
-                )
-            self._cond.wait(remaining)
 
     # -- management ----------------------------------------------------------------------------
 
@@ -279,22 +279,31 @@ class ModelEntry:
         """Wait (holding the condition) until `may_enter`, then leave the head of the queue.
         Any other way out of the wait also leaves the queue, so no waiter is ever stranded."""
         try:
-            self._wait_for(waiter, timeout, may_enter, gone)
+            self._wait_until(lambda: may_enter(waiter), timeout, gone)
         except BaseException:
             self._leave(waiter)
             raise
         self._queue.popleft()
 
-    def _wait_for(
-        self, waiter: _Waiter, timeout: float | None, may_enter, gone: Callable[[], bool] | None
+    def _wait_until(
+        self,
+        ready: Callable[[], bool],
+        timeout: float | None,
+        gone: Callable[[], bool] | None,
+        since: float | None = None,
+        waiting_for: str = "",
     ) -> None:
+        """Wait (holding the condition) until `ready()`: `QueueTimeout` once `timeout` has
+        passed since `since` (default: now), `WaiterGone` once `gone` (asked every GONE_POLL_S)
+        says the caller left."""
         if timeout:
             timeout = min(MAX_WAIT_S, timeout)  # in this order, a NaN becomes MAX_WAIT_S too
-        deadline = None if not timeout else time.monotonic() + timeout
-        while not may_enter(waiter):
+        start = time.monotonic() if since is None else since
+        deadline = None if not timeout else start + timeout
+        while not ready():
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise QueueTimeout(f"waited {timeout:g} s for model {self.spec.id!r}")
+                raise QueueTimeout(f"waited {timeout:g} s for model {self.spec.id!r}{waiting_for}")
             if gone is not None:
                 if gone():
                     raise WaiterGone(f"the caller left while waiting for model {self.spec.id!r}")

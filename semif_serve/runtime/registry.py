@@ -1,12 +1,11 @@
 """`Runtime`: the registry of models and the one owner of every lifecycle transition.
 
 Requests ask it for a lease on a model (`lease`); management asks it to register, reconfigure
-or unload; residency (SEMIF_MAX_LOADED_MODELS, SEMIF_MEMORY_BUDGET_GIB) evicts idle, queue-free
-models least recently used first; a background thread retires models idle past their
-keep_alive_s. The registry lock only guards the id → entry map and is never held while anything
-waits, loads or tears down. A reconfigure never costs the serving model without need: its
-source is checked first (400), and the new engine loads beside the old one when memory allows
-(see `_reconfigure`).
+or unload. Residency (which models stay loaded: eviction, the memory budget, idle retirement)
+is its mixin `Residency` (residency.py). The registry lock only guards the id → entry map and
+is never held while anything waits, loads or tears down. A reconfigure never costs the serving
+model without need: its source is checked first (400), a change that keeps the weights applies
+in place, and new weights load beside the old ones when memory allows (see `_reconfigure`).
 """
 
 from __future__ import annotations
@@ -36,14 +35,14 @@ from semif_serve.runtime.entry import (
     QueueTimeout,
     WaiterGone,
 )
+from semif_serve.runtime.residency import Residency
 from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
 
 log = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 1.0
-GIB = 1 << 30
 
 
-class Runtime:
+class Runtime(Residency):
     def __init__(
         self,
         settings: Any,
@@ -66,8 +65,10 @@ class Runtime:
         self.default_id = default_id
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
-        # Told (model id, event) on load, load_failed, unload, evict and retire (the metrics).
-        self.on_event: Callable[[str, str], None] = lambda model_id, event: None
+        # Told (model id, event) on load, load_failed, unload, evict and retire (the metrics,
+        # through `listen`); until then the events are kept (the startup loads).
+        self._early_events: list[tuple[str, str]] = []
+        self.on_event: Callable[[str, str], None] = lambda *event: self._early_events.append(event)
 
     # -- startup and shutdown -------------------------------------------------------------------
 
@@ -83,6 +84,14 @@ class Runtime:
             target=self._retire_idle_loop, args=(idle_interval_s,), name="semif-idle", daemon=True
         )
         self._idle_thread.start()
+
+    def listen(self, hook: Callable[[str, str], None]) -> None:
+        """Tell `hook` every lifecycle event: first those before this call (the startup loads,
+        which run before the app and its metrics exist), then each as it happens."""
+        early, self._early_events = self._early_events, []
+        self.on_event = hook
+        for model_id, event in early:
+            hook(model_id, event)
 
     def close(self) -> None:
         """Stop retirement, join it, then unload every model (after requests have drained)."""
@@ -354,91 +363,6 @@ class Runtime:
         if engine is not None and hasattr(engine, "close"):
             engine.close()
 
-    # -- residency --------------------------------------------------------------------------------
-
-    def _fits_beside(self, entry: ModelEntry, spec: ModelSpec, estimate: int | None) -> bool:
-        """Whether `spec`'s weights fit while the old engine still holds its memory: within
-        SEMIF_MEMORY_BUDGET_GIB (every loaded model's resident bytes plus the estimate) and, on a
-        GPU, SEMIF_VRAM_CAP_GIB (every GPU model's plus the estimate; each GPU engine counts
-        what its own load and warm-up added, boot.resident_difference). The estimate is the old
-        engine's own size when the weights are the same, else the source check's. With neither
-        limit set nothing bounds it (always beside); with a limit and no estimate, never."""
-        old = entry.spec
-        if (old.source, old.revision, old.dtype) == (spec.source, spec.revision, spec.dtype):
-            estimate = _resident(entry.engine) or estimate
-        loaded = [e for e in self._snapshot() if e.engine is not None]
-        limits = []
-        if self._settings.memory_budget_gib is not None:
-            limits.append((self._settings.memory_budget_gib, loaded))
-        if self._settings.vram_cap_gib is not None and spec.device != "cpu":
-            on_gpu = [e for e in loaded if e.spec.device != "cpu"]
-            limits.append((self._settings.vram_cap_gib, on_gpu))
-        if limits and estimate is None:
-            return False
-        return all(
-            sum(_resident(e.engine) for e in held) + estimate <= limit_gib * GIB
-            for limit_gib, held in limits
-        )
-
-    def _make_room(self, loading: ModelEntry) -> None:
-        """Below SEMIF_MAX_LOADED_MODELS, or evict idle models least recently used first."""
-        limit = self._settings.max_loaded_models
-        if limit is None:
-            return
-        while True:
-            others = [e for e in self._snapshot() if e is not loading]
-            if sum(1 for e in others if e.state != UNLOADED) < limit:
-                return
-            if not self._evict_one(others):
-                raise InsufficientMemory(
-                    f"{limit} models are loaded (SEMIF_MAX_LOADED_MODELS) and none is idle; "
-                    "retry later"
-                )
-
-    def _fit_in_memory_budget(self, loading: ModelEntry, engine: Any) -> None:
-        """With SEMIF_MEMORY_BUDGET_GIB, evict idle models (LRU) until the new engine fits beside
-        the other models (the loading model's old engine is being replaced), else refuse (503).
-        Evictions done before a refusal are not undone."""
-        budget_gib = self._settings.memory_budget_gib
-        if budget_gib is None:
-            return
-        budget = budget_gib * GIB
-        needed = _resident(engine)
-        while True:
-            others = [e for e in self._snapshot() if e is not loading]
-            used = sum(_resident(e.engine) for e in others)
-            if used + needed <= budget:
-                return
-            if not self._evict_one(others):
-                raise InsufficientMemory(
-                    f"model {loading.spec.id!r} needs {needed / GIB:.2f} GiB; "
-                    f"{used / GIB:.2f} of SEMIF_MEMORY_BUDGET_GIB={budget_gib} are held by "
-                    "busy models; retry later"
-                )
-
-    def _evict_one(self, candidates: list[ModelEntry]) -> bool:
-        """Unload the least recently used idle candidate; False when none is idle."""
-        victims = sorted((e for e in candidates if e.is_idle), key=lambda e: e.last_used or 0.0)
-        evict = lambda victim: self._unload_alone(victim, "evict")  # noqa: E731
-        return any(victim.try_manage(evict) for victim in victims)
-
-    def _retire_idle_loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            self.retire_idle()
-
-    def retire_idle(self) -> list[str]:
-        """Unload every idle model past its keep_alive_s; returns their ids."""
-        now = self._clock()
-        retired = []
-        for entry in self._snapshot():
-            keep_alive = entry.spec.keep_alive_s
-            last_used = entry.last_used
-            if keep_alive is None or last_used is None or now - last_used < keep_alive:
-                continue
-            if entry.try_manage(lambda held: self._unload_alone(held, "retire")):
-                retired.append(entry.spec.id)
-        return retired
-
     def _snapshot(self) -> list[ModelEntry]:
         with self._lock:
             return list(self._entries.values())
@@ -453,8 +377,3 @@ def _capacity_inputs(spec: ModelSpec) -> tuple:
 def _weights(spec: ModelSpec) -> tuple:
     """Which weights a spec loads, and how: a change to any of it needs a new engine."""
     return (spec.source, spec.revision, spec.dtype, spec.device)
-
-
-def _resident(engine: Any) -> int:
-    """The bytes an engine holds (0 when none, or unknown)."""
-    return getattr(engine, "resident_bytes", None) or 0

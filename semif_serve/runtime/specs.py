@@ -129,15 +129,16 @@ def parse_spec(
 
 
 def parse_slots(value: Any, parallel_slots: int | None, name: str) -> int:
-    """Explicit slots only with the parallel runtime; then an integer 1..16."""
+    """An integer 1..16, and explicit slots only with the parallel runtime (the range first: a
+    value outside it is wrong with either runtime)."""
     if value is None:
         return parallel_slots or 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
+        raise SpecError(f"{name}.slots: must be an integer 1..{MAX_SLOTS}, got {_shown(value)}")
     if parallel_slots is None:
         raise SpecError(
             f"{name}.slots: explicit slots need the parallel runtime (set SEMIF_PARALLEL_SLOTS)"
         )
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
-        raise SpecError(f"{name}.slots: must be an integer 1..{MAX_SLOTS}, got {_shown(value)}")
     return value
 
 

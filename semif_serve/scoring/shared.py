@@ -2,8 +2,8 @@
 
 1. Encode every row's full prompt and the shared state prefix (`shared_prompts.encode_shared`):
    each row is scored on exactly the token ids the direct scorer would see.
-2. Prefill the prefix once (batch 1).
-3. Attention-only models (`_forward_packed`): all suffixes in ONE row after that one prefix
+2. Prefill the prefix once (batch 1; `prefill.py`).
+3. Attention-only models (`packed.forward_packed`): all suffixes in ONE row after that one prefix
    cache, with a block mask and per-suffix position ids. Models with linear-attention layers
    (`_forward`): copy the cache to n rows (`replicate_cache`) and feed the suffixes right-padded,
    with position ids continuing from the prefix and a mask over prefix + real suffix tokens;
@@ -19,13 +19,11 @@ forwards, so that every forward has one of the shapes warm-up ran; the results a
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from time import perf_counter
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from semif_serve.scoring.cache import (
     can_share_prefix,
@@ -35,6 +33,8 @@ from semif_serve.scoring.cache import (
 )
 from semif_serve.scoring.inputs import SharedInput, shared_input
 from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.packed import forward_packed
+from semif_serve.scoring.prefill import continue_from, letter_logits, prefilled, synchronize
 from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_attention
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.prompt import EncodedPrompt, prompt_sha256
@@ -44,7 +44,6 @@ from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
 from semif_serve.scoring.shared_prompts import state_head_end
 
 SERVING_CONFIG = "native-state-prefix-parallel-v1"
-PACKED_CHUNK_TOKENS = 512
 
 
 def score_shared(
@@ -68,7 +67,7 @@ def score_shared(
     parsed, prompts, prefix_ids = rows.rows, rows.prompts, rows.prefix_ids
 
     model = scoring_model.model
-    letter_logits, forward_timing = forward(
+    row_logits, forward_timing = forward(
         model, prefix_ids, prompts, resolve(buckets, model.device), prefix_cache
     )
     cache_fields = {
@@ -90,7 +89,7 @@ def score_shared(
             total_seconds=total_seconds,
         )
         | cache_fields
-        for row, prompt, logits in zip(parsed, prompts, letter_logits)
+        for row, prompt, logits in zip(parsed, prompts, row_logits)
     ]
     padded_suffix_tokens = forward_timing.pop("padded_suffix_tokens")
     prefix_tokens = forward_timing.pop("prefix_tokens")
@@ -127,27 +126,8 @@ def forward(
     if buckets is not None:
         prefix_ids = prefix_ids[: buckets.prefix(len(prefix_ids))]
     if is_pure_attention(model):
-        return _forward_packed(model, prefix_ids, prompts, buckets, prefix_cache)
+        return forward_packed(model, prefix_ids, prompts, buckets, prefix_cache)
     return _forward(model, prefix_ids, prompts, buckets, prefix_cache)
-
-
-@contextmanager
-def _prefilled(
-    base_model: Any,
-    config: Any,
-    prefix_ids: list[int],
-    prefix_cache: ModelPrefixCache | None,
-) -> Iterator[tuple[Any, bool]]:
-    """(the prefix's cache for the block to consume, whether it was stored before)."""
-
-    def prefill() -> Any:
-        return _prefill(base_model, config, prefix_ids, base_model.device)
-
-    if prefix_cache is None:
-        yield prefill(), False
-        return
-    with prefix_cache.resume(prefix_ids, prefill) as resumed:
-        yield resumed
 
 
 def _forward(
@@ -177,7 +157,7 @@ def _forward(
     started = perf_counter()
     with (
         torch.inference_mode(),
-        _prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit),
+        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit),
     ):
         prefill_seconds = perf_counter() - started
         for group in groups:
@@ -192,10 +172,10 @@ def _forward(
             del group_cache
         letters_started = perf_counter()
         logits = model.get_output_embeddings()(torch.cat(last_hidden)).float()
-        letter_logits = _letter_logits(logits, prompts, device)
+        letters = letter_logits(logits, prompts, device)
         suffix_seconds += perf_counter() - letters_started
     del cache, logits, last_hidden
-    return letter_logits, {
+    return letters, {
         "cache_hit": hit,
         "prefix_tokens": prefix_length,
         "prefill_seconds": prefill_seconds,
@@ -256,10 +236,10 @@ def _suffix_forward(
         replicate_cache(cache, padded_rows)
         prefix_mask = torch.ones((padded_rows, prefix_length), dtype=torch.long)
         attention_mask = torch.cat([prefix_mask, real.long()], dim=1)
-    _synchronize(device)
+    synchronize(device)
     suffix_started = perf_counter()
     with attending:
-        hidden = _continue(base_model, cache, suffix_ids, attention_mask, position_ids)
+        hidden = continue_from(base_model, cache, suffix_ids, attention_mask, position_ids)
     last = (real_lengths[:rows] - 1).to(device)
     last_hidden = hidden[torch.arange(rows, device=device), last]
     return last_hidden, (
@@ -269,148 +249,7 @@ def _suffix_forward(
     )
 
 
-def _prefill(base_model: Any, config: Any, prefix_ids: list[int], device: torch.device) -> Any:
-    """The prefix's cache, batch 1 (call inside inference_mode)."""
-    cache = DynamicCache(config=config)
-    base_model(
-        input_ids=torch.tensor([prefix_ids], dtype=torch.long, device=device),
-        cache=cache,
-        use_cache=True,
-    )
-    _synchronize(device)
-    return cache
-
-
-def _continue(
-    base_model: Any,
-    cache: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-) -> torch.Tensor:
-    """The decoder's last hidden states for tokens that continue the cached prefix."""
-    device = base_model.device
-    return base_model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        cache=cache,
-        use_cache=True,
-    ).last_hidden_state
-
-
 def is_pure_attention(model: Any) -> bool:
     """True when every layer is plain attention, so suffixes can share ONE copy of the prefix."""
     layer_types = getattr(model.config, "layer_types", None)
     return not layer_types or all(kind == "full_attention" for kind in layer_types)
-
-
-def _forward_packed(
-    model: Any,
-    prefix_ids: list[int],
-    prompts: list[EncodedPrompt],
-    buckets: Buckets | None,
-    prefix_cache: ModelPrefixCache | None,
-) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """Attention-only models: suffixes packed into rows after ONE prefix cache, a chunk at a time.
-
-    A block mask lets each suffix token see the prefix and its own suffix's earlier tokens only,
-    and position ids restart at the prefix length for every suffix, so each row computes exactly
-    what its direct prompt would. Nothing is replicated, and nothing is padded unless `buckets`
-    right-pads each packed row to its length bucket (padding sees only the prefix, and no real
-    token sees padding). Rows are packed in
-    chunks of about `PACKED_CHUNK_TOKENS`: a packed token also scores (then masks) the other
-    suffixes of its chunk, so smaller chunks waste less attention and larger ones make fewer
-    forward calls. After each chunk the cache is cut back to the prefix.
-    """
-    device = model.device
-    prefix_length = len(prefix_ids)
-    suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
-    base_model = model.get_decoder()
-    output_embeddings = model.get_output_embeddings()
-    last_hidden = []
-    padded_tokens = 0
-    prefill_started = perf_counter()
-    with (
-        torch.inference_mode(),
-        _prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit),
-    ):
-        prefix_layers = [(layer.keys, layer.values) for layer in cache.layers]
-        suffix_started = perf_counter()
-        for chunk in _chunks(suffixes, PACKED_CHUNK_TOKENS):
-            total = sum(len(suffix) for suffix in chunk)
-            width = total if buckets is None else buckets.length(total)
-            padded_tokens += width
-            ids, mask, positions, last = _packed_inputs(chunk, prefix_length, model.dtype, width)
-            hidden = _continue(base_model, cache, ids, mask, positions)
-            last_hidden.append(hidden[0, last.to(device)])
-            for layer, (keys, values) in zip(cache.layers, prefix_layers):
-                layer.keys, layer.values = keys, values
-        logits = output_embeddings(torch.cat(last_hidden)).float()
-        letter_logits = _letter_logits(logits, prompts, device)
-        suffix_seconds = perf_counter() - suffix_started
-    del cache, prefix_layers, hidden, logits
-    return letter_logits, {
-        "cache_hit": hit,
-        "prefix_tokens": prefix_length,
-        "prefill_seconds": suffix_started - prefill_started,
-        "replicate_seconds": 0.0,
-        "suffix_forward_seconds": suffix_seconds,
-        "padded_suffix_tokens": padded_tokens,  # the real suffix tokens, without buckets
-    }
-
-
-def _chunks(suffixes: list[list[int]], tokens: int) -> list[list[list[int]]]:
-    """Consecutive runs of suffixes of about `tokens` tokens each (at least one suffix each)."""
-    chunks: list[list[list[int]]] = [[]]
-    size = 0
-    for suffix in suffixes:
-        if chunks[-1] and size + len(suffix) > tokens:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(suffix)
-        size += len(suffix)
-    return chunks
-
-
-def _packed_inputs(
-    suffixes: list[list[int]], prefix_length: int, dtype: torch.dtype, width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One packed row of `width` tokens (the suffixes, then padding that sees only the prefix):
-    token ids, the block mask over prefix + row, position ids, last indices."""
-    lengths = [len(suffix) for suffix in suffixes]
-    total = sum(lengths)
-    tokens = [token for suffix in suffixes for token in suffix]
-    ids = torch.tensor([tokens + [PAD_TOKEN_ID] * (width - total)], dtype=torch.long)
-    positions = torch.cat([torch.arange(length) for length in lengths + [width - total]])
-    positions = positions + prefix_length
-    allowed = torch.zeros((width, prefix_length + width), dtype=torch.bool)
-    allowed[:, :prefix_length] = True
-    start = 0
-    for length in lengths:
-        block = slice(start, start + length)
-        own = slice(prefix_length + start, prefix_length + start + length)
-        allowed[block, own] = torch.ones((length, length), dtype=torch.bool).tril()
-        start += length
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    last = torch.tensor(lengths).cumsum(0) - 1
-    return ids, mask[None, None], positions[None], last
-
-
-def _letter_logits(
-    logits: torch.Tensor, prompts: list[EncodedPrompt], device
-) -> list[torch.Tensor]:
-    """Each row's option-letter logits, in option order, on the CPU: one gather and one copy to
-    the CPU for all rows (a per-row read would wait on the device once per row)."""
-    counts = [len(prompt.letter_token_ids) for prompt in prompts]
-    widest = max(counts)
-    padded = [ids + [0] * (widest - len(ids)) for ids in (p.letter_token_ids for p in prompts)]
-    letters = torch.tensor(padded, dtype=torch.long, device=device)
-    gathered = logits.gather(1, letters).cpu()
-    return [gathered[row, :count] for row, count in enumerate(counts)]
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work so the phase timings measure the phase, not the launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
