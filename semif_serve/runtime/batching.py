@@ -1,0 +1,48 @@
+"""Which queued decision requests go into the next forward: the dynamic batcher's selection.
+
+A pure function over the queue's costs, oldest first (as text-embeddings-inference's queue pops
+within `--max-batch-tokens`): requests are taken in arrival order and the selection stops at the
+first one that would break a limit, so no request is ever overtaken by a younger one (sorting by
+length would cut padding but delay the oldest request, which TGI refused for that reason). The
+limits: `max_rows` rows (a shared call counts all its rows, a rotated decision one per
+ordering) and `max_tokens` padded tokens, counted as every row padded to the batch's longest
+prompt (rows × longest). The oldest request always goes, even when it alone breaks a limit: it
+then runs alone, never waiting forever and never blocking the queue (text-embeddings-inference
+issue #723: a request over the budget made its batcher loop forever).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one queued request adds to a batch: its rows and its longest prompt (tokens)."""
+
+    rows: int
+    length: int
+
+
+def padded_tokens(costs: Sequence[Cost]) -> int:
+    """The tokens a forward over these requests holds: every row padded to the longest prompt."""
+    if not costs:
+        return 0
+    return sum(cost.rows for cost in costs) * max(cost.length for cost in costs)
+
+
+def select(costs: Sequence[Cost], max_rows: int, max_tokens: int) -> int:
+    """How many of the queued requests (oldest first) go into the next batch: at least one when
+    any is queued, then every next one while the batch stays within both limits."""
+    if not costs:
+        return 0
+    rows, longest = costs[0].rows, costs[0].length
+    taken = 1
+    for cost in costs[1:]:
+        rows += cost.rows
+        longest = max(longest, cost.length)
+        if rows > max_rows or rows * longest > max_tokens:
+            break
+        taken += 1
+    return taken

@@ -1,0 +1,182 @@
+"""Several requests scored together, each getting exactly the result it gets alone (issue 23).
+
+The dynamic batcher (`runtime/batcher.py`) hands a model's queued requests here as one call:
+- direct rows that run as a plain prompt (no prefix cache, or a state prefix too short to
+  cache) go in ONE right-padded forward: rows × their longest prompt, each row read at its own
+  last real token. Right padding is exact for attention (causal) and for linear-attention
+  layers (they run left to right), so a row's real tokens never see another row or padding;
+- direct rows over a state prefix the cache takes are grouped by that prefix: each group is one
+  shared forward (one prefill, or a stored one resumed, then every row's suffix), as a shared
+  call over those rows would run; requests over the same state share its prefill;
+- a `/decide/shared` call (a `SharedInput`) runs as a unit, never split.
+Each input gets a `Batched`: its outcome (direct: a result dict; shared: (results, timing); or
+the exception its own scoring raised) and the rows and padded length of the forward it ran in.
+Results are the scorers' own (nothing added): the server shows the batch figures next to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from semif_serve.scoring import shared
+from semif_serve.scoring.direct import score as score_direct
+from semif_serve.scoring.inputs import DirectInput, SharedInput
+from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.prefix_cache import ModelPrefixCache
+from semif_serve.scoring.result import build_result
+from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
+from semif_serve.scoring.shared import score_shared, state_prefix_sha256
+
+Input = DirectInput | SharedInput
+
+
+@dataclass(frozen=True)
+class Batched:
+    """One input's outcome, and the forward it ran in: its rows and padded length."""
+
+    outcome: Any
+    rows: int
+    padded_length: int
+
+
+def score_batch(
+    scoring_model: ScoringModel,
+    inputs: list[Input],
+    *,
+    max_tokens: int,
+    buckets: Buckets | None | str = AUTO,
+    prefix_cache: ModelPrefixCache | None = None,
+) -> list[Any]:
+    """Each input's `Batched` outcome, in input order."""
+    outcomes: list[Batched | None] = [None] * len(inputs)
+    plain, by_prefix = [], {}
+    for index, item in enumerate(inputs):
+        if isinstance(item, SharedInput) or item.max_tokens != max_tokens:
+            outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
+        elif _cached(item, prefix_cache):
+            by_prefix.setdefault(tuple(item.prefix_ids), []).append(index)
+        else:
+            plain.append(index)
+    if plain:
+        results, width = _padded(scoring_model, [inputs[i] for i in plain], buckets)
+        for index, result in zip(plain, results):
+            outcomes[index] = Batched(result, len(plain), width)
+    for prefix, indices in by_prefix.items():
+        group = [inputs[i] for i in indices]
+        results = _over_prefix(scoring_model, list(prefix), group, buckets, prefix_cache)
+        width = max(len(item.prompt.ids) for item in group)
+        for index, result in zip(indices, results):
+            outcomes[index] = Batched(result, len(group), width)
+    return outcomes
+
+
+def _cached(item: DirectInput, prefix_cache: ModelPrefixCache | None) -> bool:
+    """Whether the direct scorer would run this row over its (cacheable) state prefix."""
+    return (
+        prefix_cache is not None
+        and item.prefix_ids is not None
+        and prefix_cache.caches(len(item.prefix_ids))
+    )
+
+
+def _alone(scoring_model, item, max_tokens, buckets, prefix_cache) -> Batched:
+    """A unit that runs on its own (a shared call, or an input encoded for another limit)."""
+    if isinstance(item, SharedInput):
+        rows, width = len(item.prompts), max(len(prompt.ids) for prompt in item.prompts)
+        score = score_shared
+    else:
+        rows, width, score = 1, len(item.prompt.ids), score_direct
+    try:
+        outcome = score(
+            scoring_model, item, max_tokens=max_tokens, buckets=buckets, prefix_cache=prefix_cache
+        )
+    except ValueError as error:  # a row refused on its own: only its request fails
+        outcome = error
+    return Batched(outcome, rows, width)
+
+
+def _padded(
+    scoring_model: ScoringModel, items: list[DirectInput], buckets: Buckets | None | str
+) -> tuple[list[dict[str, Any]], int]:
+    """Plain direct rows in one right-padded forward, each read at its own last real token;
+    (their results, the padded length)."""
+    started = perf_counter()
+    model = scoring_model.model
+    device = model.device
+    lengths = [len(item.prompt.ids) for item in items]
+    width = max(lengths)
+    resolved = resolve(buckets, device)
+    if resolved is not None:
+        width = resolved.length(width)
+    input_ids = torch.full((len(items), width), PAD_TOKEN_ID, dtype=torch.long)
+    for row, item in enumerate(items):
+        input_ids[row, : lengths[row]] = torch.tensor(item.prompt.ids, dtype=torch.long)
+    real = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    last = torch.tensor(lengths) - 1
+    with torch.inference_mode():
+        hidden = model.get_decoder()(
+            input_ids=input_ids.to(device), attention_mask=real.long().to(device), use_cache=False
+        ).last_hidden_state
+        rows = hidden[torch.arange(len(items), device=device), last.to(device)]
+        logits = model.get_output_embeddings()(rows).float()
+        letters = [
+            logits[row]
+            .index_select(
+                0, torch.tensor(item.prompt.letter_token_ids, dtype=torch.long, device=device)
+            )
+            .cpu()
+            for row, item in enumerate(items)
+        ]
+    forward_seconds = perf_counter() - started
+    results = [
+        _direct_result(scoring_model, item, letter_logits, forward_seconds, False)
+        for item, letter_logits in zip(items, letters)
+    ]
+    return results, width
+
+
+def _over_prefix(
+    scoring_model: ScoringModel,
+    prefix_ids: list[int],
+    items: list[DirectInput],
+    buckets: Buckets | None | str,
+    prefix_cache: ModelPrefixCache | None,
+) -> list[dict[str, Any]]:
+    """Direct rows over one cached state prefix: one shared forward (prefill or resume once)."""
+    started = perf_counter()
+    model = scoring_model.model
+    prompts = [item.prompt for item in items]
+    logits, timing = shared.forward(
+        model, prefix_ids, prompts, resolve(buckets, model.device), prefix_cache
+    )
+    forward_seconds = perf_counter() - started
+    return [
+        _direct_result(scoring_model, item, letter_logits, forward_seconds, timing["cache_hit"])
+        for item, letter_logits in zip(items, logits)
+    ]
+
+
+def _direct_result(
+    scoring_model: ScoringModel,
+    item: DirectInput,
+    letter_logits: torch.Tensor,
+    forward_seconds: float,
+    cache_hit: bool,
+) -> dict[str, Any]:
+    """The result the direct scorer gives `item`, from letter logits read in a batch."""
+    return build_result(
+        item.row,
+        item.prompt,
+        letter_logits,
+        scorer="direct",
+        model=scoring_model.info.as_dict(),
+        forward_seconds=forward_seconds,
+        total_seconds=item.encode_seconds + forward_seconds,
+    ) | {
+        "cache_hit": cache_hit,
+        "prefix_sha256": state_prefix_sha256(item.row, item.prompt.text),
+    }

@@ -1,0 +1,130 @@
+"""Issue 23, exactness: requests scored in one batch get exactly what they get alone (fp32 on the
+CPU, probabilities within 1e-5, as the state-prefix cache's tests measure it): the hybrid tiny Qwen3.5 (linear-attention layers, right padding) and
+SmolLM2; mixed prompt lengths and option counts, shared calls and rotations as units, and the
+state-prefix cache on with hits and misses in one batch."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rows_factory import STATE, make_rows
+
+from semif_serve.decisions import expand
+from semif_serve.scoring import PromptRejected, parse_row, score, score_shared
+from semif_serve.scoring.batched import Batched, score_batch
+from semif_serve.scoring.inputs import SharedInput, direct_input, shared_input
+from semif_serve.scoring.prefix_cache import PrefixCache
+
+TOLERANCE = 1e-5
+MAX_TOKENS = 4096
+
+
+def state(number: int, words: int = 0) -> dict:
+    return {**STATE, "ticket": f"Ticket {number}: " + STATE["ticket"] + " more" * words}
+
+
+def close(one: dict, other: dict) -> bool:
+    assert one["option_ids"] == other["option_ids"]
+    assert one["prompt_sha256"] == other["prompt_sha256"]
+    assert one["input_tokens"] == other["input_tokens"]
+    return (
+        max(abs(a - b) for a, b in zip(one["probabilities"], other["probabilities"])) <= TOLERANCE
+    )
+
+
+def plain_rows(count: int, seed: int = 0) -> list[dict]:
+    """Rows with distinct states of varied lengths and 2..5 options."""
+    rows = []
+    for index in range(count):
+        [row] = make_rows(1, 2 + (index + seed) % 4, state=state(index, (index * 7 + seed) % 23))
+        rows.append({**row, "id": f"r{index}"})
+    return rows
+
+
+@pytest.mark.parametrize("model_name", ["tiny_qwen", "smollm2"])
+def test_plain_rows_in_one_padded_forward_score_as_alone(request, model_name):
+    scoring_model = request.getfixturevalue(model_name)
+    rows = [parse_row(row) for row in plain_rows(5)]
+    inputs = [
+        direct_input(scoring_model.tokenizer, row, MAX_TOKENS, with_prefix=False) for row in rows
+    ]
+    batched = score_batch(scoring_model, inputs, max_tokens=MAX_TOKENS)
+    lengths = [len(item.prompt.ids) for item in inputs]
+    assert len(set(lengths)) > 1  # mixed lengths: real padding
+    for row, outcome in zip(rows, batched):
+        assert (outcome.rows, outcome.padded_length) == (5, max(lengths))
+        assert close(outcome.outcome, score(scoring_model, row, max_tokens=MAX_TOKENS))
+
+
+@given(data=st.data())
+@settings(max_examples=8, deadline=None)
+def test_any_mix_of_direct_and_shared_units_scores_as_alone(tiny_qwen, data):
+    """A property over batch makeup: 1..6 units, each a plain row, a shared call of 1..3 rows,
+    or a row's rotations (a shared unit), in any order."""
+    kinds = data.draw(
+        st.lists(st.sampled_from(["row", "shared", "rotations"]), min_size=1, max_size=6)
+    )
+    seed = data.draw(st.integers(0, 50))
+    inputs, expected = [], []
+    for index, kind in enumerate(kinds):
+        [base] = make_rows(1, 2 + (index + seed) % 3, state=state(seed + index, index % 5))
+        row = parse_row({**base, "id": f"u{index}"})
+        if kind == "row":
+            inputs.append(direct_input(tiny_qwen.tokenizer, row, MAX_TOKENS, with_prefix=False))
+            expected.append(score(tiny_qwen, row, max_tokens=MAX_TOKENS))
+            continue
+        rows = (
+            expand(row, "rotations")
+            if kind == "rotations"
+            else [
+                parse_row(r)
+                for r in make_rows(1 + index % 3, 3, state=row.state, prefix=f"s{index}")
+            ]
+        )
+        inputs.append(shared_input(tiny_qwen.tokenizer, rows, MAX_TOKENS))
+        expected.append(score_shared(tiny_qwen, rows, max_tokens=MAX_TOKENS)[0])
+    batched = score_batch(tiny_qwen, inputs, max_tokens=MAX_TOKENS)
+    for item, outcome, alone in zip(inputs, batched, expected):
+        if isinstance(item, SharedInput):
+            results, timing = outcome.outcome
+            assert outcome.rows == len(item.prompts) == timing["batch_size"]
+            assert all(close(got, want) for got, want in zip(results, alone, strict=True))
+        else:
+            assert close(outcome.outcome, alone)
+
+
+@pytest.mark.parametrize("model_name", ["tiny_qwen", "smollm2"])
+def test_with_the_prefix_cache_hits_and_misses_in_one_batch_score_as_alone(request, model_name):
+    scoring_model = request.getfixturevalue(model_name)
+    cache = PrefixCache(1 << 30, min_tokens=16).for_model(("batched", model_name))
+    long_state = state(1, 40)
+    stored = parse_row(make_rows(1, 3, state=long_state, prefix="stored")[0])
+    score(scoring_model, stored, max_tokens=MAX_TOKENS, prefix_cache=cache)  # stores its prefix
+    rows = [
+        parse_row(make_rows(2, [2, 4], state=long_state, prefix="hit")[0]),  # a hit
+        parse_row(make_rows(2, [2, 4], state=long_state, prefix="hit")[1]),  # the same prefix
+        parse_row(make_rows(1, 3, state=state(2, 40), prefix="miss")[0]),  # a miss
+        parse_row({**make_rows(1, 2, state="short")[0], "id": "plain"}),  # too short to cache
+    ]
+    inputs = [
+        direct_input(scoring_model.tokenizer, row, MAX_TOKENS, with_prefix=True) for row in rows
+    ]
+    hits_before = cache.stats()["hits"]
+    batched = score_batch(scoring_model, inputs, max_tokens=MAX_TOKENS, prefix_cache=cache)
+    assert [outcome.outcome["cache_hit"] for outcome in batched] == [True, True, False, False]
+    assert cache.stats()["hits"] == hits_before + 1  # the two rows over one state: one lookup
+    assert [outcome.rows for outcome in batched] == [2, 2, 1, 1]
+    for row, outcome in zip(rows, batched):
+        assert close(outcome.outcome, score(scoring_model, row, max_tokens=MAX_TOKENS))
+
+
+def test_a_row_refused_on_its_own_fails_only_its_request(tiny_qwen):
+    rows = [parse_row(row) for row in plain_rows(2)]
+    short = direct_input(tiny_qwen.tokenizer, rows[0], MAX_TOKENS, with_prefix=False)
+    long_row = parse_row({**plain_rows(1)[0], "id": "long", "question": "why? " * 300})
+    encoded_for_more = direct_input(tiny_qwen.tokenizer, long_row, 1 << 20, with_prefix=False)
+    batched = score_batch(tiny_qwen, [short, encoded_for_more], max_tokens=500)
+    assert isinstance(batched[0], Batched) and batched[0].outcome["id"] == rows[0].id
+    assert isinstance(batched[1].outcome, PromptRejected)
+    assert "max_tokens" in str(batched[1].outcome)
