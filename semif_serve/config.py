@@ -29,6 +29,9 @@ MAX_PREFIX_CACHE_GIB = 1024.0
 # Upper bounds of the integer limits: generous but finite, so a mistaken value (400 digits) is
 # refused at startup, naming the variable, instead of overflowing arithmetic downstream.
 MAX_TOKENS_LIMIT = 1 << 20  # models.toml's max_tokens has the same bound
+MAX_BATCH_ROWS_LIMIT = 1024
+MAX_BATCH_TOKENS_LIMIT = 1 << 24
+MAX_BATCH_WAIT_MS = 1000  # a batch never waits longer than a second for company
 MAX_DECISIONS_LIMIT = 1 << 16
 MAX_BODY_BYTES_LIMIT = 1 << 30
 MAX_QUEUE_LIMIT = 4096  # each admitted request holds a worker thread
@@ -68,6 +71,9 @@ class Settings:
     write_timeout_s: float = 30.0  # a reply must be taken by the client within this
     max_connections: int = 1000  # open connections the worker holds; more wait in the backlog
     prefix_cache_gib: float = PREFIX_CACHE_GIB["cuda"]  # 0: no state-prefix cache
+    max_batch_rows: int = 1  # rows one batched forward takes at most; 1: no batching
+    max_batch_tokens: int = 16384  # its padded tokens (rows x longest prompt) at most
+    batch_wait_ms: int = 0  # how long a batch waits for more requests; 0: never
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -118,6 +124,9 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
             env.get("SEMIF_PREFIX_CACHE_GIB"),
             PREFIX_CACHE_GIB["cpu" if device == "cpu" else "cuda"],
         ),
+        max_batch_rows=parse_limit(env, "SEMIF_MAX_BATCH_ROWS", 1, MAX_BATCH_ROWS_LIMIT),
+        max_batch_tokens=parse_limit(env, "SEMIF_MAX_BATCH_TOKENS", 16384, MAX_BATCH_TOKENS_LIMIT),
+        batch_wait_ms=parse_wait_ms(env, "SEMIF_BATCH_WAIT_MS"),
     )
 
 
@@ -199,6 +208,19 @@ def parse_cache_gib(text: str | None, default: float) -> float:
 
 
 MAX_WAIT_S = 86_400.0  # a day: longer waits are configuration mistakes (and overflow timers)
+
+
+def parse_wait_ms(env: Mapping[str, str], name: str) -> int:
+    """Milliseconds in [0, MAX_BATCH_WAIT_MS] written in ASCII digits; unset: 0."""
+    text = env.get(name)
+    if text is None or text == "0":
+        return 0
+    value = _counted(text, MAX_BATCH_WAIT_MS)
+    if value is None:
+        raise ConfigError(
+            f"{name}: must be an integer in [0, {MAX_BATCH_WAIT_MS}], got {_shown(text)}"
+        )
+    return value
 
 
 def parse_seconds(env: Mapping[str, str], name: str) -> float:

@@ -40,6 +40,9 @@ DEFAULTS = {
     "write_timeout_s": 30.0,
     "max_connections": 1000,
     "prefix_cache_gib": 8.0,
+    "max_batch_rows": 1,
+    "max_batch_tokens": 16384,
+    "batch_wait_ms": 0,
 }
 
 # (variable, a valid value other than the default, field, what the field then holds)
@@ -68,6 +71,9 @@ ONE_VARIABLE = [
     ("SEMIF_WRITE_TIMEOUT_S", "4", "write_timeout_s", 4.0),
     ("SEMIF_MAX_CONNECTIONS", "50", "max_connections", 50),
     ("SEMIF_PREFIX_CACHE_GIB", "0", "prefix_cache_gib", 0.0),
+    ("SEMIF_MAX_BATCH_ROWS", "16", "max_batch_rows", 16),
+    ("SEMIF_MAX_BATCH_TOKENS", "4096", "max_batch_tokens", 4096),
+    ("SEMIF_BATCH_WAIT_MS", "5", "batch_wait_ms", 5),
 ]
 
 
@@ -234,3 +240,33 @@ def test_a_bad_dtype_names_the_choices():
     with pytest.raises(config.ConfigError) as error:
         Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DTYPE": "fp8"})
     assert str(error.value) == ("SEMIF_DTYPE: must be one of float32, bfloat16, float16, got 'fp8'")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0", 0), ("1", 1), ("1000", 1000), ("-1", None), ("1001", None), ("5ms", None), (" 5", None)],
+)
+def test_the_batch_wait_is_whole_milliseconds_up_to_a_second(text, expected):
+    env = {"SEMIF_API_TOKEN": TOKEN, "SEMIF_BATCH_WAIT_MS": text}
+    if expected is None:
+        with pytest.raises(config.ConfigError, match=r"^SEMIF_BATCH_WAIT_MS: must be an integer"):
+            Settings.from_env(env)
+        return
+    assert Settings.from_env(env).batch_wait_ms == expected
+
+
+@pytest.mark.parametrize(
+    ("variable", "most"),
+    [("SEMIF_MAX_BATCH_ROWS", 1024), ("SEMIF_MAX_BATCH_TOKENS", 1 << 24)],
+)
+def test_the_batch_limits_are_bounded(variable, most):
+    assert (
+        getattr(
+            Settings.from_env({"SEMIF_API_TOKEN": TOKEN, variable: str(most)}), variable[6:].lower()
+        )
+        == most
+    )
+    with pytest.raises(
+        config.ConfigError, match=rf"^{variable}: must be an integer in \[1, {most}\]"
+    ):
+        Settings.from_env({"SEMIF_API_TOKEN": TOKEN, variable: str(most + 1)})
