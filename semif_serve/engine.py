@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from semif_serve.errors import OutOfMemory, ScoringFailed
+from semif_serve.scoring.inputs import Batched
 from semif_serve.scoring.rows import Row, RowError
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,26 @@ class Engine:
 
     def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return self._call(self._scorer.score_shared, rows)
+
+    def score_batch(self, items: list[Any]) -> list[Any]:
+        """Several requests' encoded inputs in one locked call (the dynamic batcher's): each
+        one's outcome, in order (`scoring.batched.Batched`: a result, or the exception its own
+        scoring raised). A scorer without a batch step scores them one by one."""
+        return self._call(self._batch_of, items)
+
+    def _batch_of(self, items: list[Any]) -> list[Any]:
+        batch = getattr(self._scorer, "score_batch", None)
+        if batch is not None:
+            return batch(items)
+        return [self._one(item) for item in items]
+
+    def _one(self, item: Any) -> Any:
+        try:
+            if isinstance(item, list):
+                return Batched(self._scorer.score_shared(item), len(item), 0)
+            return Batched(self._scorer.score(item), 1, 0)
+        except RowError as error:
+            return Batched(error, 1, 0)
 
     def cache_stats(self) -> dict[str, int] | None:
         """The model's state-prefix cache: hits, misses, evictions, bytes, entries (None: off)."""

@@ -71,3 +71,12 @@ class ModelLoadFailed(ServeError):
 class ClientGone(ServeError):
     """The client closed its connection while its request waited: it is dropped unscored → 499
     (nginx's "client closed request"; no one receives it, the access log and /metrics do)."""
+
+
+def same_failure(error: BaseException) -> BaseException:
+    """A fresh exception saying what `error` says, for another thread to raise (one instance
+    raised in several threads would share, and garble, its traceback)."""
+    try:
+        return type(error)(*error.args)
+    except Exception:
+        return RuntimeError(str(error))

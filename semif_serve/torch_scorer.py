@@ -20,7 +20,8 @@ from typing import Any
 from semif_serve.engine import is_out_of_memory
 from semif_serve.errors import OutOfMemory
 from semif_serve.oom_policy import bytes_to_drop, shortfall
-from semif_serve.scoring.inputs import DirectInput, SharedInput, direct_input, shared_input
+from semif_serve.scoring.batched import score_batch
+from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput, direct_input, shared_input
 from semif_serve.scoring.length_bound import bytes_per_token
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
 from semif_serve.scoring.rows import Row
@@ -90,6 +91,14 @@ class TorchScorer:
 
         info = self.scoring_model.info
         return weights_unchanged(info.source, info.revision)
+
+    def score_batch(self, items: list[DirectInput | SharedInput]) -> list[Batched]:
+        """Several requests' inputs in as few forwards as exactness allows (`scoring.batched`)."""
+        return self._with_fallback(
+            lambda cache: score_batch(
+                self.scoring_model, items, max_tokens=self.max_tokens, prefix_cache=cache
+            )
+        )
 
     def cache_stats(self) -> dict[str, int] | None:
         """hits, misses, evictions, bytes and entries of this model's prefixes (None: cache off)."""

@@ -141,7 +141,9 @@ def test_the_token_is_compared_in_constant_time(monkeypatch):
 
 def test_release_without_acquire_is_a_programming_error():
     limit = InFlightLimit(1)
-    with pytest.raises(RuntimeError, match=r"^InFlightLimit.release\(\) without a matching acquire\(\)$"):
+    with pytest.raises(
+        RuntimeError, match=r"^InFlightLimit.release\(\) without a matching acquire\(\)$"
+    ):
         limit.release()
     limit.acquire()
     limit.release()

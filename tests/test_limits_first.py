@@ -1,8 +1,8 @@
 """Every limit before the lock (issue 22, finding 2): requests are encoded, and refused, before
 they take a slot or the engine lock (the cheap bound: tests/test_length_bound.py).
 
-The production runtime over a fake scorer whose encoding stage blocks on an event; the engine's
-encoding stage; TorchScorer's stages over the tiny Qwen3.5.
+The production runtime over fake scorers whose encoding stage blocks on an event, and the
+engine's encoding stage (TorchScorer's, on a real model: tests/test_inputs.py).
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ import threading
 import pytest
 from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_app, fake_runtime, row, settings
 from falcon import testing
-from test_control_tokens import EXAMPLES, smollm2_tokenizer  # noqa: F401  (a fixture)
+from runtime_fixtures import spec, wait_until
 
 from semif_serve.engine import Engine
 from semif_serve.errors import OutOfMemory, ScoringFailed
 from semif_serve.http import create_app
+from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService
-from semif_serve.scoring import PromptRejected, parse_row, score, score_shared
-from semif_serve.scoring.inputs import DirectInput, SharedInput
-from semif_serve.torch_scorer import TorchScorer
+from semif_serve.scoring import PromptRejected, parse_row
 
 BIG = "BIG"
 
@@ -41,18 +40,18 @@ class EncodingScorer(FakeScorer):
             assert self.go.wait(WAIT_S), "the test never let the encoding finish"
             raise PromptRejected("max_tokens: the prompt has at least 9999999 tokens")
         self.prepared.append(row.id)
-        return ("encoded", row)
+        return ("encoded", row, self)
 
     def prepare_shared(self, rows):
         self.prepared.extend(row.id for row in rows)
-        return ("encoded", list(rows))
+        return ("encoded", list(rows), self)
 
     def score(self, row):
-        assert row[0] == "encoded", "score got rows that were never prepared"
+        assert row[0] == "encoded" and row[2] is self, "not prepared by this scorer"
         return super().score(row[1])
 
     def score_shared(self, rows):
-        assert rows[0] == "encoded", "score_shared got rows that were never prepared"
+        assert rows[0] == "encoded" and rows[2] is self, "not prepared by this scorer"
         return super().score_shared(rows[1])
 
 
@@ -143,27 +142,93 @@ def test_engine_prepare_passes_a_row_refusal_through():
         Engine(Refusing()).prepare(parse_row(row()))
 
 
-def test_prepared_inputs_score_as_plain_rows(tiny_qwen):
-    """TorchScorer's stages: a prepared input gives the result plain rows give."""
-    scorer = TorchScorer(tiny_qwen, max_tokens=4096)
-    one = parse_row(row(options=("Yes", "No", "Maybe")))
-    prepared = scorer.prepare(one)
-    assert isinstance(prepared, DirectInput)
-    assert scorer.score(prepared)["option_logits"] == scorer.score(one)["option_logits"]
-    rows = [parse_row(row(id=f"r{k}", question=f"Is it {k}?")) for k in range(3)]
-    shared = scorer.prepare_shared(rows)
-    assert isinstance(shared, SharedInput)
-    from_input, timing = scorer.score_shared(shared)
-    from_rows, _ = scorer.score_shared(rows)
-    assert [r["option_logits"] for r in from_input] == [r["option_logits"] for r in from_rows]
-    assert timing["encode_seconds"] == shared.encode_seconds
+# -- which engine encodes (issue 22.2; the passthrough grid's service mutants) -----------------
 
 
-def test_an_input_checked_against_another_limit_is_encoded_again(tiny_qwen):
-    long_row = parse_row(row(question="word " * 200))
-    prepared = TorchScorer(tiny_qwen, max_tokens=4096).prepare(long_row)
-    with pytest.raises(PromptRejected, match="max_tokens"):
-        score(tiny_qwen, prepared, max_tokens=100)
-    shared = TorchScorer(tiny_qwen, max_tokens=4096).prepare_shared([long_row])
-    with pytest.raises(PromptRejected, match="max_tokens"):
-        score_shared(tiny_qwen, shared, max_tokens=100)
+class Engines:
+    """A factory: each model id's engines drive a scorer of the kind given for it; `built`
+    holds every scorer made, in order."""
+
+    def __init__(self, kinds):
+        self.kinds, self.built = kinds, []
+
+    def __call__(self, model_spec):
+        scorer = self.kinds[model_spec.id]()
+        self.built.append(scorer)
+        return Engine(scorer)
+
+
+def models_app(factory, *specs, **overrides):
+    config = settings(**overrides)
+    runtime = Runtime(config, factory, list(specs), specs[0].id)
+    runtime.start(idle_interval_s=None)
+    return testing.TestClient(create_app(DecisionService(runtime, config), config)), runtime
+
+
+def test_a_request_for_another_model_is_encoded_by_that_models_engine_before_it_queues():
+    factory = Engines({"a": FakeScorer, "b": EncodingScorer})
+    api, runtime = models_app(
+        factory, spec("a", load_on_startup=True), spec("b", load_on_startup=True)
+    )
+    [_, encoder] = factory.built
+    outcome = {}
+    thread = threading.Thread(
+        target=lambda: outcome.setdefault(
+            "big", api.simulate_post("/decide", json=row(model="b", question=BIG), headers=AUTH)
+        )
+    )
+    thread.start()
+    try:
+        assert encoder.encoding.wait(WAIT_S)  # b's own encoding stage, before b's queue
+        assert runtime.entry("b").status()["active_slots"] == 0
+    finally:
+        encoder.go.set()
+        thread.join(WAIT_S)
+    assert outcome["big"].status_code == 422
+
+
+def test_a_model_replaced_while_its_request_waited_encodes_it_again():
+    factory = Engines({"a": EncodingScorer})
+    api, runtime = models_app(factory, spec("a", load_on_startup=True))
+    [old] = factory.built
+    old.release.clear()  # the first request holds the model inside the scorer
+    first = threading.Thread(
+        target=api.simulate_post,
+        args=("/decide",),
+        kwargs={"json": row(id="first"), "headers": AUTH},
+    )
+    first.start()
+    assert old.entered.wait(WAIT_S)
+    manager = threading.Thread(
+        target=runtime.register,
+        args=("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60}),
+    )
+    manager.start()
+    wait_until(lambda: len(runtime.entry("a")._queue) == 1)  # the reconfigure waits for `first`
+    outcome = {}
+    second = threading.Thread(
+        target=lambda: outcome.setdefault(
+            "second", api.simulate_post("/decide", json=row(id="second"), headers=AUTH)
+        )
+    )
+    second.start()  # encoded by `old`, then queued behind the reconfigure
+    wait_until(lambda: runtime.entry("a").status()["queued_requests"] == 1)
+    assert old.prepared == ["first", "second"]
+    old.release.set()
+    for thread in (first, manager, second):
+        thread.join(WAIT_S)
+    [_, new] = factory.built
+    assert outcome["second"].status_code == 200, outcome["second"].text
+    assert new.prepared == ["second"]  # encoded again by the new engine's tokenizer
+
+
+def test_a_request_that_loads_its_model_is_encoded_after_and_its_refusal_names_the_decision():
+    class Refusing(EncodingScorer):
+        def prepare_shared(self, rows):
+            raise PromptRejected("rows[1]: max_tokens: too long", row_index=1)
+
+    api, runtime = models_app(Engines({"a": Refusing}), spec("a"))  # not loaded yet
+    body = {"state": "s", "decisions": [decision("a"), decision("b")]}
+    response = api.simulate_post("/decide/shared", json=body, headers=AUTH)
+    assert response.status_code == 422
+    assert response.json["error"]["message"] == "decisions[1] (row 'b'): max_tokens: too long"

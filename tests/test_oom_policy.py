@@ -52,6 +52,7 @@ def test_the_shortfall_is_read_from_torchs_message(message, lacking):
     [
         (0, None, None),  # nothing stored: nothing to drop, a 503 at once
         (0, 10, None),
+        (1, None, 1),  # one byte stored is something to drop
         (100, None, 100),  # an unknown shortfall: drop them all, once
         (100, 60, 60),  # only what covers the shortfall
         (100, 100, 100),

@@ -199,7 +199,9 @@ def test_added_tokens_that_cannot_be_vouched_for():
     assert added_tokens(byte_tokenizer()).contents == ()
     for flag in ("lstrip", "rstrip", "single_word"):
         flagged = byte_tokenizer()
-        flagged.add_special_tokens({"additional_special_tokens": [AddedToken("<s>", **{flag: True})]})
+        flagged.add_special_tokens(
+            {"additional_special_tokens": [AddedToken("<s>", **{flag: True})]}
+        )
         assert added_tokens(flagged) is None, flag
     normalized = byte_tokenizer(normalizer=normalizers.NFC())
     normalized.add_tokens([AddedToken("<n>", normalized=True)])

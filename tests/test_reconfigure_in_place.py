@@ -16,9 +16,7 @@ from runtime_fixtures import Factory, GatedEngine, Held, runtime, spec
 
 from semif_serve.engine import Engine
 from semif_serve.errors import BadManagementRequest
-from semif_serve.scoring import PromptRejected, parse_row
-from semif_serve.scoring.prefix_cache import PrefixCache
-from semif_serve.torch_scorer import TorchScorer
+from semif_serve.scoring import parse_row
 
 TABLE = {"source": "test:a", "device": "cpu"}
 BUDGET_TOKENS = 4 * 4096  # the fake capacity: 4 slots of 4096 tokens, 8 of 2048, ...
@@ -174,21 +172,3 @@ def test_retune_refuses_what_does_not_fit_and_keeps_a_shared_lock():
     engine.retune(2048, 5)
     assert engine._lock is shared  # the single-lock runtime's lock is everyone's
     assert engine.max_parallel_slots == 8 and engine._scorer.max_tokens == 2048
-
-
-def test_a_retuned_torch_scorer_keeps_its_prefixes_and_checks_the_new_limit(tiny_qwen):
-    cache = PrefixCache(budget_bytes=1 << 30, min_tokens=16)
-    engine = Engine(TorchScorer(tiny_qwen, max_tokens=4096, prefix_cache=cache))
-    engine.capacity_for = lambda max_tokens: 4
-    state = {"log": [f"line {k} of the evidence" for k in range(40)]}
-    long_row = parse_row({**row(), "state": state})
-    assert not engine.score(long_row)["cache_hit"]
-    stored = engine.cache_stats()["entries"]
-    assert stored >= 1
-    length = engine.score(long_row)["input_tokens"]
-    engine.retune(length, 2)
-    assert engine.cache_stats()["entries"] == stored
-    assert engine.score(engine.prepare(long_row))["cache_hit"]
-    engine.retune(length - 1, 2)
-    with pytest.raises(PromptRejected, match="max_tokens"):
-        engine.prepare(long_row)

@@ -83,7 +83,9 @@ def test_stalled_heads_and_silent_connections_leave_health_and_decide_answering(
     with connections(server, 4 * THREADS, stalled_head) as stalled:
         with connections(server, 8 * THREADS):
             assert health(server) == 200
-            assert server.request("POST", "/decide", row(), AUTH, timeout=HEALTH_TIMEOUT_S)[0] == 200
+            assert (
+                server.request("POST", "/decide", row(), AUTH, timeout=HEALTH_TIMEOUT_S)[0] == 200
+            )
         # SEMIF_HEADER_TIMEOUT_S=1: the server closes each stalled head unanswered.
         assert all(closed_by_server(sock) for sock in stalled)
 

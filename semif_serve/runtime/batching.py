@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,15 @@ def select(costs: Sequence[Cost], max_rows: int, max_tokens: int) -> int:
             break
         taken += 1
     return taken
+
+
+def cost_of(item: Any) -> Cost:
+    """What an encoded input adds to a batch (`scoring.inputs`: a direct row's prompt, a shared
+    call's prompts); an input the scorer did not encode (a fake's rows) counts its rows."""
+    prompts = getattr(item, "prompts", None)
+    if prompts is not None:
+        return Cost(len(prompts), max(len(prompt.ids) for prompt in prompts))
+    prompt = getattr(item, "prompt", None)
+    if prompt is not None:
+        return Cost(1, len(prompt.ids))
+    return Cost(len(item) if isinstance(item, list) else 1, 1)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from semif_serve.errors import same_failure
 from semif_serve.runtime.specs import ModelSpec
 
 UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
@@ -54,15 +55,6 @@ class WaiterGone(Exception):
 class _Waiter:
     is_request: bool  # else a manager
     enqueued: float = field(default_factory=time.monotonic)
-
-
-def _same_failure(error: BaseException) -> BaseException:
-    """A fresh exception saying what `error` says, for another thread to raise (one instance
-    raised in several threads would share, and garble, its traceback)."""
-    try:
-        return type(error)(*error.args)
-    except Exception:
-        return RuntimeError(str(error))
 
 
 class ModelEntry:
@@ -123,13 +115,17 @@ class ModelEntry:
         timeout: float | None,
         load: Callable[[ModelEntry], None],
         gone: Callable[[], bool] | None = None,
+        served: Callable[[], bool] | None = None,
     ) -> Any:
         """Wait for a slot (FIFO), load the model if needed, and return its engine. `gone`:
-        asked while the request waits; True makes it leave the queue (`WaiterGone`)."""
+        asked while the request waits; True makes it leave the queue (`WaiterGone`). `served`
+        (the batcher's): True once another request took this one's work; it then leaves the
+        queue without a slot, and None is returned."""
         waiter = _Waiter(is_request=True)
         with self._cond:
             self._queue.append(waiter)
-            self._admit(waiter, timeout, self._request_may_enter, gone)
+            if self._admit(waiter, timeout, self._request_may_enter, gone, served):
+                return None
             self._active += 1
             self._cond.notify_all()  # the next request may take a spare slot
         try:
@@ -170,7 +166,7 @@ class ModelEntry:
                 # Only a failed load leaves LOADING for anything but READY while requests hold
                 # slots (managers wait for them), so the failure is the awaited load's.
                 if self.state != READY and self._failed_load is not None:
-                    raise _same_failure(self._failed_load)
+                    raise same_failure(self._failed_load)
             if self.state == READY:
                 return self.engine
             self.state = LOADING
@@ -226,6 +222,17 @@ class ModelEntry:
                 self._managed = False
                 self._cond.notify_all()
 
+    def manager_arrival(self) -> float | None:
+        """When the first manager still queued arrived (None: none is): the batcher takes no
+        request that arrived after it, since nothing barges past a manager."""
+        with self._cond:
+            return min((w.enqueued for w in self._queue if not w.is_request), default=None)
+
+    def wake(self) -> None:
+        """Wake every waiter to look again (the batcher took some of their work)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _manager_may_enter(self, waiter: _Waiter) -> bool:
         return self._queue[0] is waiter and not self._managed and not self._active
 
@@ -274,16 +281,27 @@ class ModelEntry:
     # -- waiting --------------------------------------------------------------------------------
 
     def _admit(
-        self, waiter: _Waiter, timeout: float | None, may_enter, gone: Callable[[], bool] | None
-    ) -> None:
-        """Wait (holding the condition) until `may_enter`, then leave the head of the queue.
+        self,
+        waiter: _Waiter,
+        timeout: float | None,
+        may_enter,
+        gone: Callable[[], bool] | None,
+        served: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Wait (holding the condition) until `may_enter`, then leave the head of the queue;
+        or until `served`, then leave it wherever the waiter is (True: served, no slot).
         Any other way out of the wait also leaves the queue, so no waiter is ever stranded."""
+        was_served = served or (lambda: False)
         try:
-            self._wait_until(lambda: may_enter(waiter), timeout, gone)
+            self._wait_until(lambda: was_served() or may_enter(waiter), timeout, gone)
         except BaseException:
             self._leave(waiter)
             raise
+        if was_served():
+            self._leave(waiter)
+            return True
         self._queue.popleft()
+        return False
 
     def _wait_until(
         self,

@@ -26,6 +26,7 @@ from semif_serve.errors import (
     QueueTimedOut,
     ServeError,
 )
+from semif_serve.runtime.batcher import Batcher, Job, serve
 from semif_serve.runtime.entry import (
     LOADING,
     READY,
@@ -62,6 +63,7 @@ class Runtime(Residency):
         self._lock = threading.Lock()
         self._bulk_publication = threading.Lock()
         self._entries = {spec.id: ModelEntry(spec, clock) for spec in specs}
+        self._batchers: dict[str, Batcher] = {}  # the dynamic batcher's queue, per model
         self.default_id = default_id
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
@@ -115,16 +117,28 @@ class Runtime(Residency):
         """The model's engine for one request, admitted in FIFO order within the queue timeout;
         a request whose `gone` check says its caller left meanwhile leaves the queue."""
         entry = self.entry(model_id)
-        try:
+        with _queue_errors():
             engine = entry.acquire(self.queue_timeout(timeout_s), self._load_admitted, gone)
-        except QueueTimeout as error:
-            raise QueueTimedOut(str(error)) from None
-        except WaiterGone as error:
-            raise ClientGone(f"the client closed its connection: {error}") from None
         try:
             yield engine
         finally:
             entry.release()
+
+    def score_batched(self, model_id: str | None, timeout_s: float | None, job: Job) -> Any:
+        """`job`'s outcome, scored with the model's other queued requests by the dynamic
+        batcher (`batcher.serve`), admitted as `lease` admits."""
+        entry = self.entry(model_id)
+        with self._lock:
+            batcher = self._batchers.get(entry.spec.id)
+            if batcher is None:
+                settings = self._settings
+                batcher = self._batchers[entry.spec.id] = Batcher(
+                    settings.max_batch_rows,
+                    settings.max_batch_tokens,
+                    settings.batch_wait_ms / 1000,
+                )
+        with _queue_errors():
+            return serve(entry, batcher, job, self.queue_timeout(timeout_s), self._load_admitted)
 
     def queue_timeout(self, requested: float | None) -> float | None:
         """SEMIF_QUEUE_TIMEOUT_S (0: unbounded); a request may only lower it."""
@@ -366,6 +380,17 @@ class Runtime(Residency):
     def _snapshot(self) -> list[ModelEntry]:
         with self._lock:
             return list(self._entries.values())
+
+
+@contextmanager
+def _queue_errors() -> Iterator[None]:
+    """A request's way out of the queue, as the HTTP layer knows it: 503 or 499."""
+    try:
+        yield
+    except QueueTimeout as error:
+        raise QueueTimedOut(str(error)) from None
+    except WaiterGone as error:
+        raise ClientGone(f"the client closed its connection: {error}") from None
 
 
 def _capacity_inputs(spec: ModelSpec) -> tuple:

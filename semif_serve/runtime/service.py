@@ -24,8 +24,11 @@ from semif_serve.decisions import (
     calibrated,
     expand,
 )
-from semif_serve.errors import ClientGone, InvalidRequest, ScoringFailed
+from semif_serve.errors import ClientGone, InvalidRequest, ScoringFailed, same_failure
+from semif_serve.runtime.batcher import Job
+from semif_serve.runtime.batching import cost_of
 from semif_serve.runtime.registry import Runtime
+from semif_serve.scoring.inputs import Batched
 from semif_serve.scoring.rows import InvalidRow, Row, RowError, parse_row
 
 SEMIF_COMMIT = "23cf1f39fc9534fe81437200959b6dfc7106e45a"
@@ -102,11 +105,15 @@ class DecisionService:
         _check_workload_without_orderings(workload, [decision])
         route = _routing(body)
         if decision.mode == "none":
-            result = self._scored(route, DIRECT, decision.rows[0], client_gone, [decision])
-            return Outcome(_building(lambda: self._with_calibration(result, workload)), 1)
+            result, batch = self._scored(route, DIRECT, decision.rows[0], client_gone, [decision])
+            return Outcome(
+                _building(lambda: _with_batch(self._with_calibration(result, workload), batch)), 1
+            )
         self._check_row_count([decision])
-        results, _ = self._scored(route, SHARED, decision.rows, client_gone, [decision])
-        return Outcome(_building(lambda: _assemble([decision], results)[0]), len(results))
+        (results, _), batch = self._scored(route, SHARED, decision.rows, client_gone, [decision])
+        return Outcome(
+            _building(lambda: _with_batch(_assemble([decision], results)[0], batch)), len(results)
+        )
 
     def decide_shared(
         self, body: dict[str, Any], client_gone: ClientCheck | None = None
@@ -133,14 +140,15 @@ class DecisionService:
         _check_unique_ids(decisions)
         route = _routing(body)
         rows = [row for decision in decisions for row in decision.rows]
-        results, timing = self._scored(route, SHARED, rows, client_gone, decisions)
+        (results, timing), batch = self._scored(route, SHARED, rows, client_gone, decisions)
 
         def reply() -> dict[str, Any]:
             built = _assemble(decisions, results)
-            return {
+            body = {
                 "results": [self._with_calibration(result, workload) for result in built],
                 "timing": timing,
             }
+            return _with_batch(body, batch)
 
         return Outcome(_building(reply), len(rows))
 
@@ -152,21 +160,32 @@ class DecisionService:
         client_gone: ClientCheck | None,
         decisions: list[_Decision],
     ) -> Any:
-        """Encode the rows with the loaded model's tokenizer before queueing (every limit
-        checked without holding a slot or the lock: a refusal delays no one), lease the model
-        and, unless the caller has gone meanwhile (checked while it waits and once more when it
-        holds the model), run the engine call. A request that found its model unloaded (or
-        replaced while it waited) is encoded once it holds it. A row the scorer refused
-        (RowError) is a 422 naming its decision; any other failure is the engine's 500/503."""
+        """(the engine call's outcome, the batch it ran in or None). Encode the rows with the
+        loaded model's tokenizer before queueing (every limit checked without holding a slot or
+        the lock: a refusal delays no one); with SEMIF_MAX_BATCH_ROWS > 1, the dynamic batcher
+        scores them with the model's other queued requests; else lease the model and, unless the
+        caller has gone meanwhile (checked while it waits and once more when it holds the
+        model), run the engine call. A request that found its model unloaded (or replaced while
+        it waited) is encoded once it holds it. A row the scorer refused (RowError) is a 422
+        naming its decision; any other failure is the engine's 500/503."""
         model_id, timeout_s = route
         early = self._runtime.entry(model_id).engine
         prepared = None if early is None else _refused_as_422(call.prepare, early, rows, decisions)
+        if prepared is not None and self._settings.max_batch_rows > 1:
+            job = Job(
+                item=prepared,
+                cost=cost_of(prepared),
+                engine=early,
+                prepare=lambda engine: call.prepare(engine, rows),
+                gone=client_gone,
+            )
+            return _unbatched(self._runtime.score_batched(model_id, timeout_s, job), decisions)
         with self._runtime.lease(model_id, timeout_s, client_gone) as engine:
             if client_gone is not None and client_gone():
                 raise ClientGone("the client closed its connection before its request was scored")
             if prepared is None or engine is not early:
                 prepared = _refused_as_422(call.prepare, engine, rows, decisions)
-            return _refused_as_422(call.run, engine, prepared, decisions)
+            return _refused_as_422(call.run, engine, prepared, decisions), None
 
     def _workload(self, body: dict[str, Any]) -> str | None:
         workload = body.get("workload")
@@ -268,6 +287,25 @@ def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
             )
         timeout_s = float(timeout_s)
     return model_id, timeout_s
+
+
+def _unbatched(outcome: Any, decisions: list[_Decision]) -> tuple[Any, dict[str, int] | None]:
+    """A batched job's outcome as `_scored` returns it; its failure raised here, in its own
+    request's thread (a copy: one exception raised in several threads garbles its traceback)."""
+    batch = None
+    if isinstance(outcome, Batched):
+        batch = {"rows": outcome.rows, "padded_length": outcome.padded_length}
+        outcome = outcome.outcome
+    if isinstance(outcome, RowError):
+        raise InvalidRequest(_locate(outcome, decisions))
+    if isinstance(outcome, BaseException):
+        raise same_failure(outcome)
+    return outcome, batch
+
+
+def _with_batch(body: dict[str, Any], batch: dict[str, int] | None) -> dict[str, Any]:
+    """The reply, with the batch it ran in next to the native fields (batching on)."""
+    return body if batch is None else {**body, "batch": batch}
 
 
 def _refused_as_422(

@@ -16,7 +16,6 @@ Results are the scorers' own (nothing added): the server shows the batch figures
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 
 from semif_serve.scoring import shared
 from semif_serve.scoring.direct import score as score_direct
-from semif_serve.scoring.inputs import DirectInput, SharedInput
+from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
@@ -32,15 +31,6 @@ from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
 from semif_serve.scoring.shared import score_shared, state_prefix_sha256
 
 Input = DirectInput | SharedInput
-
-
-@dataclass(frozen=True)
-class Batched:
-    """One input's outcome, and the forward it ran in: its rows and padded length."""
-
-    outcome: Any
-    rows: int
-    padded_length: int
 
 
 def score_batch(

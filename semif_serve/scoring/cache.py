@@ -10,14 +10,18 @@ the linear-attention layers update their states in place.
 
 `working_copy` gives a call its own cache to consume over a prefix cache that must stay as it is
 (a stored state prefix, or one prefill shared by several suffix forwards); `cache_bytes` is what
-a cache holds.
+a cache holds; `move_to_own_mapping` gives a cache about to be kept its own memory mapping, so
+that the memory goes back to the system when it is evicted (docs/performance.md, "Memory bounded
+by the budget").
 """
 
 from __future__ import annotations
 
 import copy
+import mmap
 from typing import Any
 
+import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from semif_serve.scoring.prefix_attention import SharedPrefix, SuffixOnlyLayer
@@ -39,14 +43,65 @@ def working_copy(cache: Any) -> Any:
 
 def cache_bytes(cache: Any) -> int:
     """The bytes of the tensors a cache holds (keys, values, conv and recurrent states)."""
-    total = 0
+    return sum(home[name].nbytes for home, name in _homes(cache) if home[name] is not None)
+
+
+MAPPING_ALIGNMENT = 64  # bytes; every tensor starts at a multiple of it in its mapping
+
+
+def move_to_own_mapping(cache: Any) -> int:
+    """Move the CPU tensors of a `can_share_prefix` cache, in place, into one private anonymous
+    memory mapping of their own; returns its bytes (0: no CPU tensor, or no mapping to be had,
+    and the tensors stay where they are).
+
+    A kept cache left where its prefill allocated it sits in glibc's malloc heaps among the
+    calls' short-lived tensors, one heap per thread that served a call, and pins them: the
+    space around it, and its own once it is evicted, is seldom handed back to the system. A
+    mapping of its own is unmapped when its last tensor goes (the stored entry and any call
+    still using it); GPU tensors are not the C heap's and stay where they are."""
+    homes = [(home, name) for home, name in _homes(cache) if _on_cpu(home[name])]
+    offsets, size = _layout([home[name].nbytes for home, name in homes])
+    if not size:
+        return 0
+    try:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError:  # no room for a mapping: the tensors already exist where they are
+        return 0
+    block = torch.frombuffer(mapping, dtype=torch.uint8)
+    for (home, name), offset in zip(homes, offsets):
+        tensor = home[name]
+        twin = block[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        twin.copy_(tensor)
+        home[name] = twin
+    return size
+
+
+def _homes(cache: Any) -> list[tuple[dict, Any]]:
+    """(where, name) of every tensor a `can_share_prefix` cache holds: an attention layer's
+    attributes `keys` and `values`, a linear-attention layer's state dicts' keys."""
+    homes = []
     for layer in cache.layers:
         if _kind(layer) == "attention":
-            tensors = [layer.keys, layer.values]
+            homes += [(vars(layer), "keys"), (vars(layer), "values")]
         else:
-            tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
-        total += sum(tensor.nbytes for tensor in tensors if tensor is not None)
-    return total
+            for states in (layer.conv_states, layer.recurrent_states):
+                homes += [(states, key) for key in states]
+    return homes
+
+
+def _on_cpu(tensor: Any) -> bool:
+    return tensor is not None and tensor.device.type == "cpu"
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Each size's offset in one block, every offset a multiple of MAPPING_ALIGNMENT, and the
+    block's size."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // MAPPING_ALIGNMENT) * MAPPING_ALIGNMENT
+        offsets.append(start)
+        end = start + size
+    return offsets, end
 
 
 LINEAR_FLAGS = (

@@ -5,13 +5,15 @@ the control-token, letter and answer-boundary guards). The server encodes a requ
 takes a slot or the engine lock, so an over-long prompt is refused without delaying anyone
 (issue 22), and the scorers take the result (`DirectInput`, `SharedInput`) instead of encoding
 again. An input records the `max_tokens` it was checked against: a scorer given one checked
-against another limit encodes its rows afresh.
+against another limit encodes its rows afresh. `Batched` is what a batched call
+(`scoring.batched`) gives back for each input.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from time import perf_counter
+from typing import Any
 
 from semif_serve.scoring.prompt import ChatTokenizer, EncodedPrompt, encode_prompt
 from semif_serve.scoring.rows import Row, as_row
@@ -59,3 +61,12 @@ def shared_input(tokenizer: ChatTokenizer, rows: list[Row | dict], max_tokens: i
     started = perf_counter()
     parsed, prompts, prefix_ids = encode_shared(tokenizer, rows, max_tokens)
     return SharedInput(parsed, prompts, prefix_ids, max_tokens, perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class Batched:
+    """One input's outcome, and the forward it ran in: its rows and padded length."""
+
+    outcome: Any
+    rows: int
+    padded_length: int

@@ -23,7 +23,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from semif_serve.scoring.cache import cache_bytes, can_share_prefix, working_copy
+from semif_serve.scoring.cache import (
+    cache_bytes,
+    can_share_prefix,
+    move_to_own_mapping,
+    working_copy,
+)
 
 GIB = 1 << 30
 MIN_PREFIX_TOKENS = 128  # shorter prefixes cost less to prefill again than to store and copy
@@ -157,6 +162,9 @@ class PrefixCache:
         if not can_share_prefix(prefilled):
             return None
         nbytes = cache_bytes(prefilled)
+        if nbytes > self.budget_bytes:
+            return None
+        move_to_own_mapping(prefilled)  # outside the lock: a copy of nbytes
         with self._lock:
             if key in self._entries:
                 return None

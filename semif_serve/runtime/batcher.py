@@ -1,0 +1,169 @@
+"""`Batcher`: one model's queued decision requests, scored together (issue 23).
+
+A request submits its job (its encoded input and cost), then asks the model for a slot as every
+request does (`ModelEntry.acquire`: FIFO, managers, timeouts, a caller who leaves). Whoever holds
+a slot leads: it takes the oldest jobs nobody has taken (`batching.select`, within
+SEMIF_MAX_BATCH_ROWS and SEMIF_MAX_BATCH_TOKENS; never one that arrived after a manager queued,
+which nothing barges past) and runs them as one engine call, then repeats until its own job has
+been taken. A request whose job another leader took leaves the queue at once and waits for its
+outcome. A job nobody took when its caller's queue timeout passed, or its caller left, leaves
+unscored (503 `server_busy`, 499); once taken, it is scored, unless its caller has left by the
+time the batch runs (dropped then, 499).
+
+A batch that runs out of memory is split in halves and each half run again, so that only a
+request that cannot fit alone gets 503 `out_of_memory`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from semif_serve.errors import ClientGone, OutOfMemory, ScoringFailed
+from semif_serve.runtime.batching import Cost, select
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's part of a batch; `outcome` is set (its result, or the exception it gets)
+    and `done` set once it has been scored or dropped."""
+
+    item: Any  # what the engine's score_batch takes, encoded by `engine`
+    cost: Cost
+    engine: Any  # whose tokenizer encoded `item`
+    prepare: Callable[[Any], Any]  # encodes the request for another engine (a reloaded model)
+    gone: Callable[[], bool] | None = None
+    submitted: float = field(default_factory=time.monotonic)
+    taken: bool = False
+    outcome: Any = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def finish(self, outcome: Any) -> None:
+        self.outcome = outcome
+        self.done.set()
+
+
+class Batcher:
+    """One model's queue of jobs, oldest first."""
+
+    def __init__(self, max_rows: int, max_tokens: int, wait_s: float = 0.0):
+        self.max_rows = max_rows
+        self.max_tokens = max_tokens
+        self.wait_s = wait_s
+        self._cond = threading.Condition()
+        self._queue: deque[Job] = deque()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def withdraw(self, job: Job) -> bool:
+        """Take `job` out of the queue unscored; False when a leader has taken it already."""
+        with self._cond:
+            if job.taken:
+                return False
+            self._queue.remove(job)
+            return True
+
+    def take(self, before: float | None) -> list[Job]:
+        """The next batch: the oldest jobs submitted no later than `before` (a queued manager's
+        arrival; None: no manager) within the limits, after waiting up to `wait_s` for more
+        while the batch is not full."""
+        with self._cond:
+            deadline = time.monotonic() + self.wait_s
+            while True:
+                eligible = [job for job in self._queue if before is None or job.submitted <= before]
+                count = select([job.cost for job in eligible], self.max_rows, self.max_tokens)
+                remaining = deadline - time.monotonic()
+                if count < len(eligible) or remaining <= 0 or not eligible:
+                    break
+                self._cond.wait(remaining)
+            batch = eligible[:count]
+            for job in batch:
+                job.taken = True
+                self._queue.remove(job)
+            return batch
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+
+def run_batch(engine: Any, jobs: list[Job]) -> None:
+    """Score `jobs` in one engine call and hand each its outcome: those whose caller left are
+    dropped first; an out-of-memory batch is split in halves; any other failure is every job's."""
+    live = []
+    for job in jobs:
+        if job.gone is not None and job.gone():
+            job.finish(ClientGone("the client closed its connection before its request was scored"))
+            continue
+        if job.engine is not engine:  # encoded for an engine since replaced: encode again
+            try:
+                job.item, job.engine = job.prepare(engine), engine
+            except Exception as error:  # noqa: BLE001 - handed to its request, raised there
+                job.finish(error)
+                continue
+        live.append(job)
+    if live:
+        _scored(engine, live)
+
+
+def _scored(engine: Any, jobs: list[Job]) -> None:
+    try:
+        outcomes = engine.score_batch([job.item for job in jobs])
+        if len(outcomes) != len(jobs):
+            raise ScoringFailed(f"the scorer returned {len(outcomes)} outcomes for {len(jobs)}")
+    except OutOfMemory as error:
+        if len(jobs) == 1:
+            jobs[0].finish(error)
+            return
+        middle = len(jobs) // 2
+        _scored(engine, jobs[:middle])
+        _scored(engine, jobs[middle:])
+        return
+    except Exception as error:  # noqa: BLE001 - every job's, raised in its own request
+        for job in jobs:
+            job.finish(error)
+        return
+    for job, outcome in zip(jobs, outcomes):
+        job.finish(outcome)
+
+
+def serve(
+    entry: Any,
+    batcher: Batcher,
+    job: Job,
+    timeout: float | None,
+    load: Callable[[Any], None],
+) -> Any:
+    """`job`'s outcome (its `Batched` result, or the exception its request raises), scored by
+    whichever request leads when it is taken (see the module). `QueueTimeout` or `WaiterGone`
+    when it left the queue untaken."""
+    batcher.submit(job)
+    try:
+        engine = entry.acquire(timeout, load, job.gone, served=lambda: job.taken)
+    except BaseException:
+        if batcher.withdraw(job):
+            raise
+        engine = None  # taken meanwhile: it is scored, and this request waits for it
+    if engine is not None:
+        try:
+            while not job.taken:
+                arrival = entry.manager_arrival()  # its own job came before any queued manager
+                batch = batcher.take(None if arrival is None else max(arrival, job.submitted))
+                entry.wake()  # the requests whose jobs it took leave the queue now
+                try:
+                    run_batch(engine, batch)
+                finally:  # whatever happened, no request waits for a job left unfinished
+                    for taken in batch:
+                        if not taken.done.is_set():
+                            taken.finish(ScoringFailed("the batch stopped before this request"))
+        finally:
+            entry.release()
+    job.done.wait()  # taken: a leader is running it, and every batch finishes every job
+    return job.outcome

@@ -1,0 +1,285 @@
+"""Issue 23: the dynamic batcher in the runtime (fake engines; every wait bounded).
+
+Requests queued while the model is busy are scored together, oldest first; a request another
+leader took leaves the queue at once; limits hold (rows, padded tokens; an oversize request
+alone); no request barges past a manager; a queued request's timeout and a caller who leaves
+end its wait unscored; a batch that runs out of memory is split until only what cannot fit
+alone fails; the replies say the batch they ran in.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_runtime, row, settings
+from falcon import testing
+from runtime_fixtures import Held, runtime, spec, wait_until
+
+from semif_serve.engine import Engine
+from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut
+from semif_serve.http import create_app
+from semif_serve.runtime.batcher import Job
+from semif_serve.runtime.batching import Cost
+from semif_serve.runtime.service import DecisionService
+from semif_serve.scoring import parse_row
+from semif_serve.scoring.inputs import Batched
+
+BATCHING = {"max_batch_rows": 4, "max_batch_tokens": 1000}
+
+
+class BatchScorer(FakeScorer):
+    """Records each batch's item ids; `failing`: ids whose batch runs out of memory."""
+
+    def __init__(self, block=False, failing=()):
+        super().__init__(block=block)
+        self.batches: list[list[str]] = []
+        self.failing = set(failing)
+
+    def score_batch(self, items):
+        ids = [item[0].id if isinstance(item, list) else item.id for item in items]
+        self.batches.append(ids)
+        self._enter()
+        if self.failing & set(ids):
+            raise OutOfMemory("CUDA out of memory (fake)")
+        return [Batched(self._outcome(item), len(items), 7) for item in items]
+
+    def _outcome(self, item):
+        if isinstance(item, list):  # a shared call's rows
+            return [self.result(one) for one in item], {"batch_size": len(item)}
+        return self.result(item)
+
+
+class Engines:
+    """A factory whose engines drive one BatchScorer."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    def __call__(self, model_spec):
+        return Engine(self.scorer, concurrency=model_spec.slots)
+
+
+def batching_runtime(scorer, **overrides):
+    return runtime(
+        spec("a", load_on_startup=True), factory=Engines(scorer), **{**BATCHING, **overrides}
+    )
+
+
+class Submitted:
+    """One request through the batcher, in its own thread."""
+
+    def __init__(self, rt, name, rows=1, length=1, timeout_s=None, gone=None, model="a"):
+        item = parse_row(row(id=name))
+        self.job = Job(
+            item=item,
+            cost=Cost(rows, length),
+            engine=rt.entry(model).engine,
+            prepare=lambda engine: item,
+            gone=gone,
+        )
+        self.outcome = self.error = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(rt, model, timeout_s))
+        self.thread.start()
+
+    def _run(self, rt, model, timeout_s):
+        try:
+            self.outcome = rt.score_batched(model, timeout_s, self.job)
+        except BaseException as error:  # reported to the test
+            self.error = error
+        finally:
+            self.done.set()
+
+    def result(self):
+        assert self.done.wait(WAIT_S)
+        self.thread.join(WAIT_S)
+        return self.outcome
+
+
+def queued_jobs(rt, model="a") -> int:
+    return rt._batchers[model].queued if model in rt._batchers else 0
+
+
+def jobs_queued(rt, count: int, model="a") -> None:
+    wait_until(lambda: queued_jobs(rt, model) == count)
+
+
+def busy(rt, scorer) -> Submitted:
+    """A first request that leads and is held inside the engine until `scorer.release`."""
+    scorer.release.clear()
+    first = Submitted(rt, "first")
+    assert scorer.entered.wait(WAIT_S)
+    return first
+
+
+def test_requests_queued_while_the_model_is_busy_are_scored_together_oldest_first():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    waiting = []
+    for name in ["b", "c", "d"]:
+        waiting.append(Submitted(rt, name))
+        jobs_queued(rt, len(waiting))
+    scorer.release.set()
+    outcomes = [first.result()] + [request.result() for request in waiting]
+    assert scorer.batches == [["first"], ["b", "c", "d"]]
+    assert [outcome.outcome["id"] for outcome in outcomes] == ["first", "b", "c", "d"]
+    assert rt.entry("a").status()["queued_requests"] == 0 and queued_jobs(rt) == 0
+    assert rt.entry("a")._active == 0
+
+
+def test_the_row_limit_splits_the_queue_in_arrival_order_and_an_oversize_request_runs_alone():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer, max_batch_rows=2)
+    first = busy(rt, scorer)
+    waiting = []
+    for name, rows in [("b", 1), ("c", 1), ("d", 1), ("big", 3), ("e", 1)]:
+        waiting.append(Submitted(rt, name, rows=rows))
+        jobs_queued(rt, len(waiting))
+    scorer.release.set()
+    for request in [first, *waiting]:
+        request.result()
+    assert scorer.batches == [["first"], ["b", "c"], ["d"], ["big"], ["e"]]
+
+
+def test_the_token_budget_counts_rows_times_the_longest_prompt():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer, max_batch_tokens=300)
+    first = busy(rt, scorer)
+    waiting = []
+    for name, length in [("b", 100), ("c", 100), ("d", 150), ("e", 10)]:
+        waiting.append(Submitted(rt, name, length=length))
+        jobs_queued(rt, len(waiting))
+    scorer.release.set()
+    for request in [first, *waiting]:
+        request.result()
+    # b, c: 2 x 100; with d: 3 x 150 > 300; d, e: 2 x 150 = 300
+    assert scorer.batches == [["first"], ["b", "c"], ["d", "e"]]
+
+
+def test_a_queued_request_past_its_timeout_leaves_unscored():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    late = Submitted(rt, "late", timeout_s=0.05)
+    assert late.done.wait(WAIT_S)
+    assert isinstance(late.error, QueueTimedOut)
+    assert queued_jobs(rt) == 0
+    scorer.release.set()
+    first.result()
+    assert scorer.batches == [["first"]]
+
+
+def test_a_caller_who_leaves_while_queued_is_never_scored():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    left = threading.Event()
+    leaving = Submitted(rt, "leaving", gone=left.is_set)
+    staying = Submitted(rt, "staying")
+    wait_until(lambda: queued_jobs(rt) == 2)
+    left.set()
+    assert leaving.done.wait(WAIT_S)
+    assert isinstance(leaving.error, ClientGone)
+    scorer.release.set()
+    first.result()
+    assert staying.result().outcome["id"] == "staying"
+    assert scorer.batches == [["first"], ["staying"]]
+
+
+def test_a_caller_gone_when_its_batch_runs_is_dropped_and_the_others_are_scored():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    left = threading.Event()
+    requests = [Submitted(rt, "b"), Submitted(rt, "c", gone=left.is_set), Submitted(rt, "d")]
+    wait_until(lambda: queued_jobs(rt) == 3)
+    left.set()  # the entry polls it every 0.25 s: taken first or not, it is never scored
+    scorer.release.set()
+    first.result()
+    outcomes = [request.result() for request in requests]
+    # taken into the batch and dropped (its outcome), or withdrawn from the queue (raised)
+    assert isinstance(outcomes[1] or requests[1].error, ClientGone)
+    assert [outcomes[0].outcome["id"], outcomes[2].outcome["id"]] == ["b", "d"]
+    assert all("c" not in batch for batch in scorer.batches)
+
+
+def test_an_out_of_memory_batch_is_split_until_only_what_cannot_fit_alone_fails():
+    scorer = BatchScorer(failing={"c"})
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    requests = [Submitted(rt, name) for name in ["b", "c", "d", "e"]]
+    wait_until(lambda: queued_jobs(rt) == 4)
+    scorer.release.set()
+    first.result()
+    outcomes = {request.job.item.id: request.result() for request in requests}
+    assert isinstance(outcomes["c"], OutOfMemory)
+    assert {name: outcomes[name].outcome["id"] for name in "bde"} == {n: n for n in "bde"}
+    assert scorer.batches[1:] == [["b", "c", "d", "e"], ["b", "c"], ["b"], ["c"], ["d", "e"]]
+
+
+def test_no_request_is_batched_past_a_manager_queued_before_it():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    before = Submitted(rt, "before")
+    wait_until(lambda: queued_jobs(rt) == 1)
+    manager = threading.Thread(
+        target=rt.register, args=("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60})
+    )
+    manager.start()
+    wait_until(lambda: len(rt.entry("a")._queue) == 2)  # the request's waiter, the manager's
+    after = Submitted(rt, "after")
+    wait_until(lambda: queued_jobs(rt) == 2)
+    scorer.release.set()
+    first.result()
+    before.result()
+    manager.join(WAIT_S)
+    after.result()
+    assert scorer.batches == [["first"], ["before"], ["after"]]
+
+
+def test_replies_say_the_batch_they_ran_in():
+    config = settings(**BATCHING)
+    scorer = BatchScorer()
+    api = testing.TestClient(
+        create_app(DecisionService(fake_runtime(scorer, config), config), config)
+    )
+    one = api.simulate_post("/decide", json=row(), headers=AUTH)
+    assert one.status_code == 200, one.text
+    assert one.json["batch"] == {"rows": 1, "padded_length": 7}
+    assert {key: one.json[key] for key in ("id", "option_ids")} == {
+        "id": "r1",
+        "option_ids": ["o0", "o1"],
+    }
+    shared = api.simulate_post(
+        "/decide/shared",
+        json={"state": "s", "decisions": [decision("a"), decision("b")]},
+        headers=AUTH,
+    )
+    assert shared.status_code == 200, shared.text
+    assert shared.json["batch"]["rows"] == 1 and len(shared.json["results"]) == 2
+
+
+@pytest.mark.parametrize("path", ["/decide", "/decide/shared"])
+def test_without_batching_replies_are_as_before(path):
+    config = settings()
+    api = testing.TestClient(
+        create_app(DecisionService(fake_runtime(BatchScorer(), config), config), config)
+    )
+    body = row() if path == "/decide" else {"state": "s", "decisions": [decision("a")]}
+    response = api.simulate_post(path, json=body, headers=AUTH)
+    assert response.status_code == 200 and "batch" not in response.json
+
+
+def test_a_held_lease_and_the_batcher_share_the_model_slots():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    holder = Held(rt, "a")  # a request that leases without the batcher (a model just loaded)
+    assert holder.admitted.wait(WAIT_S)
+    waiting = Submitted(rt, "b")
+    wait_until(lambda: queued_jobs(rt) == 1)
+    assert not waiting.done.is_set()
+    holder.finish()
+    assert waiting.result().outcome["id"] == "b"
