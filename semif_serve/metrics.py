@@ -17,6 +17,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 STATES = ("unloaded", "loading", "ready", "reconfiguring", "unloading")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BATCH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+BATCH_TOKEN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 1 << 24)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ABANDONED = "client_closed_request"  # the error code of a request dropped because its client left
 
@@ -61,6 +63,26 @@ class Metrics:
             "Replies the client did not take within SEMIF_WRITE_TIMEOUT_S, or reset before taking",
             registry=self.registry,
         )
+        self.batch_rows = Histogram(
+            "semif_batch_rows",
+            "Rows per batched engine call (SEMIF_MAX_BATCH_ROWS > 1)",
+            ["model"],
+            buckets=BATCH_ROW_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_tokens = Histogram(
+            "semif_batch_tokens",
+            "Padded tokens (rows x longest prompt) per batched engine call",
+            ["model"],
+            buckets=BATCH_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_padding = Counter(
+            "semif_batch_padding_tokens",
+            "Padding tokens in batched engine calls (padded tokens less the requests' own)",
+            ["model"],
+            registry=self.registry,
+        )
         self.registry.register(_RuntimeCollector(model_status, in_flight))
 
     def observe_request(self, route: str, status: int, seconds: float, error: str | None) -> None:
@@ -70,6 +92,12 @@ class Metrics:
             self.rejections.labels(reason=error).inc()
         if error == ABANDONED:
             self.abandoned.inc()
+
+    def batch(self, model_id: str, rows: int, padded: int, real: int) -> None:
+        """One batched engine call: its rows, padded tokens and the requests' own tokens."""
+        self.batch_rows.labels(model=model_id).observe(rows)
+        self.batch_tokens.labels(model=model_id).observe(padded)
+        self.batch_padding.labels(model=model_id).inc(padded - real)
 
     def reply_undelivered(self) -> None:
         self.replies_undelivered.inc()

@@ -283,3 +283,26 @@ def test_a_held_lease_and_the_batcher_share_the_model_slots():
     assert not waiting.done.is_set()
     holder.finish()
     assert waiting.result().outcome["id"] == "b"
+
+
+def test_metrics_count_each_batch_and_the_model_list_shows_the_limits():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    config = settings(**BATCHING)
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    first = busy(rt, scorer)
+    waiting = [
+        Submitted(rt, name, rows=rows, length=length)
+        for name, rows, length in [("b", 1, 10), ("c", 2, 30)]
+    ]
+    jobs_queued(rt, 2)
+    scorer.release.set()
+    for request in [first, *waiting]:
+        request.result()
+    text = api.simulate_get("/metrics").text
+    assert 'semif_batch_rows_count{model="a"} 2.0' in text
+    assert 'semif_batch_rows_sum{model="a"} 4.0' in text  # 1 + (1 + 2)
+    assert 'semif_batch_tokens_sum{model="a"} 91.0' in text  # 1 x 1 + 3 x 30
+    assert 'semif_batch_padding_tokens_total{model="a"} 20.0' in text  # 90 - (10 + 60)
+    models = api.simulate_get("/v1/models", headers=AUTH).json["models"]
+    assert models[0]["batching"] == {"max_rows": 4, "max_tokens": 1000, "wait_ms": 0}

@@ -385,6 +385,7 @@ def test_status_reports_every_field_and_reserves_nothing():
         "last_used": None,
         "last_load_error": None,
         "prefix_cache": None,
+        "batching": {"max_rows": 1, "max_tokens": 16384, "wait_ms": 0},
     }
     holder = Held(rt, "a")
     assert holder.admitted.wait(WAIT_S)

@@ -31,6 +31,7 @@ def create_app(
     runtime = service.runtime
     metrics = Metrics(runtime.status, lambda: admission.limit.in_flight)
     runtime.listen(metrics.model_event)
+    runtime.on_batch = metrics.batch
     auth = BearerAuth(settings.api_token, settings.admin_token)
     literal = frozenset({"/health", "/metrics", "/decide", "/decide/shared", "/v1/models"})
     in_progress = InProgress()

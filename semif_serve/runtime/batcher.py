@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from semif_serve.errors import ClientGone, OutOfMemory, ScoringFailed
-from semif_serve.runtime.batching import Cost, select
+from semif_serve.runtime.batching import Cost, padded_tokens, select
 
 
 @dataclass(eq=False)
@@ -50,10 +50,18 @@ class Job:
 class Batcher:
     """One model's queue of jobs, oldest first."""
 
-    def __init__(self, max_rows: int, max_tokens: int, wait_s: float = 0.0):
+    def __init__(
+        self,
+        max_rows: int,
+        max_tokens: int,
+        wait_s: float = 0.0,
+        observe: Callable[[int, int, int], None] | None = None,
+    ):
         self.max_rows = max_rows
         self.max_tokens = max_tokens
         self.wait_s = wait_s
+        # Told (rows, padded tokens, the requests' own tokens) of each batch taken (metrics).
+        self.observe = observe or (lambda rows, padded, real: None)
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
 
@@ -87,7 +95,11 @@ class Batcher:
             for job in batch:
                 job.taken = True
                 self._queue.remove(job)
-            return batch
+        costs = [job.cost for job in batch]
+        if costs:
+            real = sum(cost.rows * cost.length for cost in costs)
+            self.observe(sum(cost.rows for cost in costs), padded_tokens(costs), real)
+        return batch
 
     @property
     def queued(self) -> int:

@@ -70,6 +70,8 @@ class Runtime(Residency):
         # Told (model id, event) on load, load_failed, unload, evict and retire (the metrics,
         # through `listen`); until then the events are kept (the startup loads).
         self._early_events: list[tuple[str, str]] = []
+        # Told (model id, rows, padded tokens, the requests' own tokens) of each batch.
+        self.on_batch: Callable[[str, int, int, int], None] = lambda *batch: None
         self.on_event: Callable[[str, str], None] = lambda *event: self._early_events.append(event)
 
     # -- startup and shutdown -------------------------------------------------------------------
@@ -132,10 +134,12 @@ class Runtime(Residency):
             batcher = self._batchers.get(entry.spec.id)
             if batcher is None:
                 settings = self._settings
-                batcher = self._batchers[entry.spec.id] = Batcher(
+                model_id = entry.spec.id
+                batcher = self._batchers[model_id] = Batcher(
                     settings.max_batch_rows,
                     settings.max_batch_tokens,
                     settings.batch_wait_ms / 1000,
+                    lambda *batch: self.on_batch(model_id, *batch),
                 )
         with _queue_errors():
             return serve(entry, batcher, job, self.queue_timeout(timeout_s), self._load_admitted)
@@ -164,7 +168,17 @@ class Runtime(Residency):
     # -- management -----------------------------------------------------------------------------
 
     def status(self) -> list[dict[str, Any]]:
-        return [entry.status() for entry in self._snapshot()]
+        return [self._status(entry) for entry in self._snapshot()]
+
+    def _status(self, entry: ModelEntry) -> dict[str, Any]:
+        """A model's status, and the dynamic batcher's limits it is served with."""
+        settings = self._settings
+        batching = {
+            "max_rows": settings.max_batch_rows,
+            "max_tokens": settings.max_batch_tokens,
+            "wait_ms": settings.batch_wait_ms,
+        }
+        return {**entry.status(), "batching": batching}
 
     def register(self, model_id: str, table: dict[str, Any]) -> dict[str, Any]:
         """Register a new model or reconfigure one, then load it; 200 with its status.
@@ -180,7 +194,7 @@ class Runtime(Residency):
             if entry is None:  # published once, unloaded, before its first load
                 entry = self._entries[model_id] = ModelEntry(spec, self._clock)
         self._managed(entry, lambda held: self._reconfigure(held, spec, estimate))
-        return entry.status()
+        return self._status(entry)
 
     def unload(self, model_id: str) -> dict[str, Any]:
         entry = self.entry(model_id)
