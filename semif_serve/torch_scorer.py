@@ -128,8 +128,10 @@ class TorchScorer:
         # Outside the except block, so the failed call's frames (and tensors) are gone.
         stored = cache.stats()["bytes"]
         wanted = bytes_to_drop(stored, shortfall(message))
-        freed = 0 if wanted is None else cache.drop(at_least=wanted)
-        if wanted is None or freed < wanted:
+        if wanted is None:
+            raise OutOfMemory(message)
+        freed = cache.drop(at_least=wanted)
+        if freed < wanted:
             raise OutOfMemory(message)
         log.warning(
             "out of memory (%s): dropped %d of this model's %d stored prefix bytes, scoring "

@@ -10,6 +10,7 @@ alone fails; the replies say the batch they ran in.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_runtime, row, settings
@@ -19,11 +20,12 @@ from runtime_fixtures import Held, runtime, spec, wait_until
 from semif_serve.engine import Engine
 from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut
 from semif_serve.http import create_app
-from semif_serve.runtime.batcher import Job
-from semif_serve.runtime.batching import Cost
+from semif_serve.runtime.batcher import Batcher, Job
+from semif_serve.runtime.batching import Cost, cost_of
 from semif_serve.runtime.service import DecisionService
-from semif_serve.scoring import parse_row
+from semif_serve.scoring import PromptRejected, parse_row
 from semif_serve.scoring.inputs import Batched
+from semif_serve.sockets import CLIENT_GONE_KEY
 
 BATCHING = {"max_batch_rows": 4, "max_batch_tokens": 1000}
 
@@ -306,3 +308,180 @@ def test_metrics_count_each_batch_and_the_model_list_shows_the_limits():
     assert 'semif_batch_padding_tokens_total{model="a"} 20.0' in text  # 90 - (10 + 60)
     models = api.simulate_get("/v1/models", headers=AUTH).json["models"]
     assert models[0]["batching"] == {"max_rows": 4, "max_tokens": 1000, "wait_ms": 0}
+
+
+# -- the pieces on their own -------------------------------------------------------------------
+
+
+def test_cost_of_an_encoded_input():
+    prompt = SimpleNamespace(ids=[0] * 120)
+    assert cost_of(SimpleNamespace(prompt=prompt)) == Cost(1, 120)
+    prompts = [SimpleNamespace(ids=[0] * n) for n in (90, 150, 100)]
+    assert cost_of(SimpleNamespace(prompts=prompts)) == Cost(3, 150)
+    assert cost_of([parse_row(row()), parse_row(row())]) == Cost(2, 1)  # a fake's shared rows
+    assert cost_of(parse_row(row())) == Cost(1, 1)
+
+
+def test_a_taken_job_cannot_be_withdrawn_and_a_queued_one_can():
+    batcher = Batcher(max_rows=1, max_tokens=100)
+    jobs = [Job(item=k, cost=Cost(1, 1), engine=None, prepare=lambda engine: None) for k in "ab"]
+    for job in jobs:
+        batcher.submit(job)
+    assert batcher.take(None) == [jobs[0]] and jobs[0].taken
+    assert not batcher.withdraw(jobs[0])
+    assert batcher.withdraw(jobs[1]) and batcher.queued == 0
+    assert batcher.take(None) == []
+
+
+def test_a_scorer_without_a_batch_step_scores_each_input_alone():
+    class Refusing(FakeScorer):
+        def score(self, row):
+            if row.id == "bad":
+                raise PromptRejected("max_tokens: too long")
+            return super().score(row)
+
+    engine = Engine(Refusing())
+    good, bad = parse_row(row(id="good")), parse_row(row(id="bad"))
+    shared = [parse_row(row(id="s1")), parse_row(row(id="s2"))]
+    outcomes = engine.score_batch([good, bad, shared])
+    assert outcomes[0].outcome["id"] == "good" and (
+        outcomes[0].rows,
+        outcomes[0].padded_length,
+    ) == (1, 0)
+    assert isinstance(outcomes[1].outcome, PromptRejected) and outcomes[1].rows == 1
+    results, timing = outcomes[2].outcome
+    assert [result["id"] for result in results] == ["s1", "s2"] and outcomes[2].rows == 2
+    assert timing["batch_size"] == 2
+
+
+# -- the service's batched branch (the passthrough grid) ---------------------------------------
+
+
+def batching_app(scorer, **overrides):
+    config = settings(**{**BATCHING, **overrides})
+    runtime = fake_runtime(scorer, config)
+    return testing.TestClient(create_app(DecisionService(runtime, config), config)), runtime
+
+
+def test_batching_starts_at_two_rows():
+    api, _ = batching_app(FakeScorer(), max_batch_rows=2)
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).json["batch"] == {
+        "rows": 1,
+        "padded_length": 0,
+    }
+
+
+def test_averaged_and_shared_replies_say_their_batch_and_a_refusal_names_its_decision():
+    class Refusing(FakeScorer):
+        def score_shared(self, rows):
+            if rows[1].id == "b":
+                raise PromptRejected("rows[1]: letter guard: no", row_index=1)
+            return super().score_shared(rows)
+
+    api, _ = batching_app(Refusing())
+    averaged = api.simulate_post("/decide", json=row(orderings="rotations"), headers=AUTH)
+    assert averaged.status_code == 200, averaged.text
+    assert "combined" in averaged.json and averaged.json["batch"] == {"rows": 2, "padded_length": 0}
+    refused = api.simulate_post(
+        "/decide/shared",
+        json={"state": "s", "decisions": [decision("a"), decision("b")]},
+        headers=AUTH,
+    )
+    assert refused.status_code == 422
+    assert refused.json["error"]["message"] == "decisions[1] (row 'b'): letter guard: no"
+
+
+def test_a_batched_request_that_runs_out_of_memory_alone_is_a_503():
+    api, _ = batching_app(FakeScorer(error=OutOfMemory("CUDA out of memory (fake)")))
+    response = api.simulate_post("/decide", json=row(), headers=AUTH)
+    assert response.status_code == 503 and response.json["error"]["code"] == "out_of_memory"
+
+
+class SizedScorer(BatchScorer):
+    """Encodes a row as an object of as many prompt tokens as its question has characters, and
+    records which scorer encoded it."""
+
+    def __init__(self):
+        super().__init__()
+        self.prepared: list[str] = []
+
+    def prepare(self, row):
+        self.prepared.append(row.id)
+        return SimpleNamespace(
+            id=row.id, row=row, by=self, prompt=SimpleNamespace(ids=[0] * len(row.question))
+        )
+
+    def score_batch(self, items):
+        assert all(item.by is self for item in items), "scored with another scorer's encoding"
+        return super().score_batch([item.row for item in items])
+
+
+def test_the_service_queues_what_the_scorer_encoded_with_its_cost_and_caller():
+    scorer = SizedScorer()
+    api, runtime = batching_app(scorer, max_batch_tokens=100)
+    scorer.release.clear()
+    replies = {}
+
+    def send(name, question, gone=None):
+        extras = {} if gone is None else {CLIENT_GONE_KEY: gone}
+        replies[name] = api.simulate_post(
+            "/decide", json=row(id=name, question=question), headers=AUTH, extras=extras
+        )
+
+    first = threading.Thread(target=send, args=("first", "q"))
+    first.start()
+    assert scorer.entered.wait(WAIT_S)
+    left = threading.Event()
+    threads = [
+        threading.Thread(target=send, args=("b", "x" * 40)),
+        threading.Thread(target=send, args=("c", "x" * 40, left.is_set)),
+        threading.Thread(target=send, args=("d", "x" * 60)),
+    ]
+    for count, thread in enumerate(threads, start=1):
+        thread.start()
+        jobs_queued(runtime, count, model="default")
+    left.set()  # c's caller leaves while queued
+    scorer.release.set()
+    for thread in [first, *threads]:
+        thread.join(WAIT_S)
+    assert replies["c"].status_code == 499
+    assert replies["b"].json["batch"]["rows"] == 1  # b + d: 2 x 60 > 100 tokens
+    assert scorer.batches == [["first"], ["b"], ["d"]]
+    assert scorer.prepared == ["first", "b", "c", "d"]  # each encoded once, before it queued
+
+
+def test_a_batched_request_encoded_by_a_replaced_engine_is_encoded_again():
+    built = []
+
+    def factory(model_spec):
+        built.append(SizedScorer())
+        return Engine(built[-1])
+
+    config = settings(**BATCHING)
+    rt = runtime(spec("a", load_on_startup=True), factory=factory, **BATCHING)
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    [old] = built
+    old.release.clear()
+    replies = {}
+
+    def send(name):
+        replies[name] = api.simulate_post("/decide", json=row(id=name), headers=AUTH)
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    assert old.entered.wait(WAIT_S)
+    manager = threading.Thread(
+        target=rt.register, args=("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60})
+    )
+    manager.start()
+    wait_until(lambda: len(rt.entry("a")._queue) == 1)  # the reconfigure waits for `first`
+    second = threading.Thread(target=send, args=("second",))
+    second.start()  # encoded by `old`, queued behind the reconfigure
+    jobs_queued(rt, 1)
+    old.release.set()
+    for thread in (first, manager, second):
+        thread.join(WAIT_S)
+    [_, new] = built
+    assert replies["second"].status_code == 200, replies["second"].text
+    assert old.prepared == ["first", "second"] and new.prepared == ["second"]
+    assert new.batches == [["second"]]

@@ -86,3 +86,42 @@ def test_a_tokenizer_is_scanned_once():
     tokenizer._tokenizer = None  # a second scan would fail
     assert bytes_per_token(tokenizer) == 5
     tokenizer._tokenizer = backend
+
+
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "expected"),
+    [
+        (pre_tokenizers.ByteLevel(), 5),  # every byte has its symbol: no byte fallback needed
+        (pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.ByteLevel()]), 5),
+        (pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.Metaspace()]), None),
+        (pre_tokenizers.Metaspace(), None),  # no byte-level step and no byte fallback
+        (None, None),
+    ],
+)
+def test_without_byte_fallback_only_a_byte_level_step_gives_a_bound(pre_tokenizer, expected):
+    vocab = {"a": 0, "b": 1, "ab": 2, "[UNK]": 3}
+    model = models.BPE(vocab, [("a", "b")], unk_token="[UNK]", byte_fallback=False)
+    assert bytes_per_token(fast(pre_tokenizer=pre_tokenizer, model=model)) == expected
+
+
+def test_added_tokens_count_towards_the_longest_entry():
+    tokenizer = fast()
+    tokenizer.add_tokens(["<|a long added token|>"])
+    assert bytes_per_token(tokenizer) == len("<|a long added token|>")
+
+
+def test_an_empty_vocabulary_has_no_bound():
+    assert bytes_per_token(fast(model=models.BPE({}, [], byte_fallback=True))) is None
+
+
+class Unreferenceable:
+    """A tokenizer wrapper that cannot be weakly referenced (no cache entry: computed each time)."""
+
+    __slots__ = ("backend_tokenizer",)
+
+    def __init__(self, backend):
+        self.backend_tokenizer = backend
+
+
+def test_a_tokenizer_that_cannot_be_cached_is_still_bounded():
+    assert bytes_per_token(Unreferenceable(fast(normalizers.NFKC()).backend_tokenizer)) == 20

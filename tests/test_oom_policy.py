@@ -115,7 +115,29 @@ def test_an_oom_drops_only_what_covers_the_shortfall_and_retries_without_the_cac
     assert cache.drops == [16 * MIB] and cache.stored == 80 * MIB  # two entries of ten
     assert call.caches == [cache, None]
     assert made._torch.cuda.empty_cache_calls  # handed back before the second try
-    assert "dropped 20971520 of this model's 104857600 stored prefix bytes" in caplog.text
+    assert [record.getMessage() for record in caplog.records] == [
+        f"out of memory ({CUDA_OOM}): dropped 20971520 of this model's 104857600 stored prefix "
+        "bytes, scoring again without the prefix cache"
+    ]
+
+
+def test_an_oom_with_no_message_drops_the_models_prefixes_once(caplog):
+    cache = FakeModelCache(stored=30, entry=10)
+    with caplog.at_level(logging.WARNING):
+        empty = Calls(1, error=FakeTorch.OutOfMemoryError("  "))  # torch's type, no message
+        assert scorer(cache)._with_fallback(empty) == "scored"
+    assert cache.drops == [30]
+    assert [record.getMessage() for record in caplog.records] == [
+        "out of memory (no message): dropped 30 of this model's 30 stored prefix bytes, scoring "
+        "again without the prefix cache"
+    ]
+
+
+def test_torchs_own_out_of_memory_type_is_recognised_whatever_its_message():
+    cache = FakeModelCache(stored=100 * MIB)
+    error = FakeTorch.OutOfMemoryError("Tried to allocate 1.00 MiB")
+    assert scorer(cache)._with_fallback(Calls(1, error=error)) == "scored"
+    assert cache.drops == [1 * MIB]
 
 
 def test_an_oom_bigger_than_the_models_cache_is_a_503_at_once_and_drops_nothing():

@@ -292,15 +292,14 @@ def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
 def _unbatched(outcome: Any, decisions: list[_Decision]) -> tuple[Any, dict[str, int] | None]:
     """A batched job's outcome as `_scored` returns it; its failure raised here, in its own
     request's thread (a copy: one exception raised in several threads garbles its traceback)."""
-    batch = None
-    if isinstance(outcome, Batched):
-        batch = {"rows": outcome.rows, "padded_length": outcome.padded_length}
-        outcome = outcome.outcome
-    if isinstance(outcome, RowError):
-        raise InvalidRequest(_locate(outcome, decisions))
-    if isinstance(outcome, BaseException):
+    if not isinstance(outcome, Batched):  # failed before scoring: dropped, out of memory, ...
         raise same_failure(outcome)
-    return outcome, batch
+    value = outcome.outcome
+    if isinstance(value, RowError):
+        raise InvalidRequest(_locate(value, decisions))
+    if isinstance(value, BaseException):
+        raise same_failure(value)
+    return value, {"rows": outcome.rows, "padded_length": outcome.padded_length}
 
 
 def _with_batch(body: dict[str, Any], batch: dict[str, int] | None) -> dict[str, Any]:

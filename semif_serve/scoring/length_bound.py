@@ -69,7 +69,7 @@ def _bytes_per_token(tokenizer: Any) -> float | None:
     if shrink is None:
         return None
     vocabulary = backend.get_vocab(with_added_tokens=True)
-    longest = max((len(entry.encode("utf-8")) for entry in vocabulary), default=0)
+    longest = max((len(entry.encode()) for entry in vocabulary), default=0)
     return longest * shrink if longest else None
 
 
@@ -83,7 +83,7 @@ def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
         return True
     kind = pre_tokenizer.get("type")
     if kind == "Sequence":
-        return all(_keeps_text(part) for part in pre_tokenizer.get("pretokenizers", []))
+        return all(_keeps_text(part) for part in pre_tokenizer["pretokenizers"])
     return kind in KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
 
 
@@ -91,7 +91,7 @@ def _has_byte_level(pre_tokenizer: dict[str, Any] | None) -> bool:
     if pre_tokenizer is None:
         return False
     if pre_tokenizer.get("type") == "Sequence":
-        return any(_has_byte_level(part) for part in pre_tokenizer.get("pretokenizers", []))
+        return any(_has_byte_level(part) for part in pre_tokenizer["pretokenizers"])
     return pre_tokenizer.get("type") == "ByteLevel"
 
 
@@ -102,16 +102,16 @@ def _shrink(normalizer: dict[str, Any] | None) -> float | None:
     kind = normalizer.get("type")
     if kind == "Sequence":
         total = 1.0
-        for part in normalizer.get("normalizers", []):
+        for part in normalizer["normalizers"]:
             factor = _shrink(part)
             if factor is None:
                 return None
             total *= factor
         return total
     if kind == "Replace":
-        pattern = normalizer.get("pattern", {}).get("String")
-        content = normalizer.get("content", "").encode("utf-8")
+        pattern = normalizer["pattern"].get("String")
+        content = normalizer["content"].encode()
         if pattern is None or not content:
             return None  # a regex, or a deletion: no bound
-        return max(1, len(pattern.encode("utf-8")) / len(content))
+        return max(1, len(pattern.encode()) / len(content))
     return SHRINK.get(kind)
