@@ -172,3 +172,15 @@ def test_retune_refuses_what_does_not_fit_and_keeps_a_shared_lock():
     engine.retune(2048, 5)
     assert engine._lock is shared  # the single-lock runtime's lock is everyone's
     assert engine.max_parallel_slots == 8 and engine._scorer.max_tokens == 2048
+
+
+def test_capacity_at_asks_the_weights_only_of_a_scorer_that_can_tell_and_up_to_the_warmed_length():
+    class Plain(FakeScorer):  # max_tokens, but no way to tell whether its weights changed
+        max_tokens = 4096
+
+    engine = Engine(Plain())
+    engine.capacity_for = lambda max_tokens: 3
+    assert engine.capacity_at(1024) == 3
+    engine.warmed_max_tokens = 4096
+    assert engine.capacity_at(4096) == 3  # exactly the warmed length: its shapes exist
+    assert engine.capacity_at(4097) is None
