@@ -116,12 +116,12 @@ class Engine:
         return [self._one(item) for item in items]
 
     def _one(self, item: Any) -> Any:
+        shared = isinstance(item, list)  # a shared call's rows, else one row
         try:
-            if isinstance(item, list):
-                return Batched(self._scorer.score_shared(item), len(item), 0)
-            return Batched(self._scorer.score(item), 1, 0)
+            value = self._scorer.score_shared(item) if shared else self._scorer.score(item)
         except RowError as error:
-            return Batched(error, 1, 0)
+            value = error
+        return Batched(value, len(item) if shared else 1, 0)
 
     def cache_stats(self) -> dict[str, int] | None:
         """The model's state-prefix cache: hits, misses, evictions, bytes, entries (None: off)."""

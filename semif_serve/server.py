@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from semif_serve import native_memory
 from semif_serve.config import Settings
 from semif_serve.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, ServingLimits
 
@@ -49,7 +51,7 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
         "worker_connections": settings.max_connections,
         "timeout": WORKER_HEARTBEAT_TIMEOUT_S,
         "graceful_timeout": settings.graceful_timeout_s + MASTER_GRACE_MARGIN_S,
-        "post_fork": lambda arbiter, worker: worker.configure(limits),
+        "post_fork": lambda arbiter, worker: start_worker(worker, limits),
         "keepalive": 5,
         "sendfile": False,  # the worker's event loop sends every reply (semif_serve/worker.py)
         "preload_app": False,
@@ -60,6 +62,15 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
         "control_socket_disable": True,  # no management socket in $HOME; nothing uses it
         "worker_exit": close_runtime,
     }
+
+
+def start_worker(worker: Any, limits: ServingLimits, environ: Any = os.environ) -> None:
+    """gunicorn's post_fork hook, in the new worker before it loads anything: its limits, and
+    its threads sharing native_memory.ARENAS malloc heaps (docs/performance.md, "Memory bounded
+    by the budget") unless the operator set glibc's own arena maximum."""
+    if "MALLOC_ARENA_MAX" not in environ and "arena_max" not in environ.get("GLIBC_TUNABLES", ""):
+        native_memory.limit_arenas()
+    worker.configure(limits)
 
 
 class _Gunicorn(BaseApplication):

@@ -18,7 +18,7 @@ from falcon import testing
 from runtime_fixtures import Held, runtime, spec, wait_until
 
 from semif_serve.engine import Engine
-from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut
+from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut, ScoringFailed
 from semif_serve.http import create_app
 from semif_serve.runtime.batcher import Batcher, Job
 from semif_serve.runtime.batching import Cost, cost_of
@@ -69,15 +69,18 @@ def batching_runtime(scorer, **overrides):
 
 
 class Submitted:
-    """One request through the batcher, in its own thread."""
+    """One request through the batcher, in its own thread; `prepare` (default: the row as it
+    is) encodes it for an engine other than the one loaded when it was sent."""
 
-    def __init__(self, rt, name, rows=1, length=1, timeout_s=None, gone=None, model="a"):
+    def __init__(
+        self, rt, name, rows=1, length=1, timeout_s=None, gone=None, model="a", prepare=None
+    ):
         item = parse_row(row(id=name))
         self.job = Job(
             item=item,
             cost=Cost(rows, length),
-            engine=rt.entry(model).engine,
-            prepare=lambda engine: item,
+            engine=rt.entry(model).engine if prepare is None else None,
+            prepare=prepare or (lambda engine: item),
             gone=gone,
         )
         self.outcome = self.error = None
@@ -485,3 +488,110 @@ def test_a_batched_request_encoded_by_a_replaced_engine_is_encoded_again():
     assert replies["second"].status_code == 200, replies["second"].text
     assert old.prepared == ["first", "second"] and new.prepared == ["second"]
     assert new.batches == [["second"]]
+
+
+# -- every way a batch can end (the batching grid) ----------------------------------------------
+
+
+def test_a_caller_who_left_once_its_job_was_taken_is_dropped_with_its_own_message():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    taken = {}
+    leaving = Submitted(rt, "leaving", gone=lambda: "job" in taken and taken["job"].taken)
+    taken["job"] = leaving.job
+    staying = Submitted(rt, "staying")
+    jobs_queued(rt, 2)
+    scorer.release.set()
+    first.result()
+    outcome = leaving.result()
+    assert isinstance(outcome, ClientGone)
+    assert str(outcome) == "the client closed its connection before its request was scored"
+    assert staying.result().outcome["id"] == "staying"
+    assert scorer.batches == [["first"], ["staying"]]
+
+
+def test_a_job_that_cannot_be_encoded_again_fails_alone():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+
+    def refuse(engine):
+        raise PromptRejected("max_tokens: too long for the new model")
+
+    requests = [Submitted(rt, "b"), Submitted(rt, "bad", prepare=refuse), Submitted(rt, "d")]
+    jobs_queued(rt, 3)
+    scorer.release.set()
+    first.result()
+    outcomes = [request.result() for request in requests]
+    assert isinstance(outcomes[1], PromptRejected) and "new model" in str(outcomes[1])
+    assert [outcomes[0].outcome["id"], outcomes[2].outcome["id"]] == ["b", "d"]
+    assert scorer.batches == [["first"], ["b", "d"]]
+
+
+class Miscounting(BatchScorer):
+    def score_batch(self, items):
+        return super().score_batch(items)[:1]
+
+
+class Failing(BatchScorer):
+    def score_batch(self, items):
+        super().score_batch(items)
+        raise ValueError("a bug in the scorer")
+
+
+@pytest.mark.parametrize(
+    ("scorer", "message"),
+    [
+        (Miscounting(), "the scorer returned 1 outcomes for 2"),
+        (Failing(), "scoring failed: ValueError: a bug in the scorer"),
+    ],
+)
+def test_a_batch_that_fails_as_a_whole_fails_every_request_in_it(scorer, message):
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    requests = [Submitted(rt, "b"), Submitted(rt, "c")]
+    jobs_queued(rt, 2)
+    scorer.release.set()
+    first.result()
+    for request in requests:
+        outcome = request.result()
+        assert isinstance(outcome, ScoringFailed) and str(outcome) == message
+
+
+def test_a_batched_request_for_an_unloaded_model_loads_it():
+    scorer = BatchScorer()
+    rt = runtime(spec("a"), factory=Engines(scorer), **BATCHING)
+    assert rt.entry("a").engine is None
+    outcome = Submitted(rt, "b", prepare=lambda engine: parse_row(row(id="b"))).result()
+    assert outcome.outcome["id"] == "b" and rt.entry("a").status()["loaded"]
+
+
+class Gated(BatchScorer):
+    """Its second batch waits at `second` (the first waits at `release`, as BatchScorer's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.second, self.in_second = threading.Event(), threading.Event()
+
+    def score_batch(self, items):
+        if len(self.batches) == 1:
+            self.in_second.set()
+            assert self.second.wait(WAIT_S)
+        return super().score_batch(items)
+
+
+def test_requests_whose_jobs_were_taken_leave_the_queue_while_their_batch_runs():
+    scorer = Gated()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    requests = [Submitted(rt, name) for name in "bcd"]
+    jobs_queued(rt, 3)
+    wait_until(lambda: rt.entry("a").status()["queued_requests"] == 3)
+    scorer.release.set()
+    assert scorer.in_second.wait(WAIT_S)  # b leads; b, c and d are in its batch
+    wait_until(lambda: rt.entry("a").status()["queued_requests"] == 0)
+    assert rt.entry("a")._active == 1  # only the leader holds a slot
+    scorer.second.set()
+    first.result()
+    assert [request.result().outcome["id"] for request in requests] == ["b", "c", "d"]

@@ -23,6 +23,7 @@ from semif_serve.errors import OutOfMemory
 from semif_serve.quality import accept as accept_module
 from semif_serve.quality.accept import Acceptance, AcceptInputs, rotated_descriptions
 from semif_serve.quality.labelled import ROW_KEYS, read_plain_rows
+from semif_serve.quality.reference import reference_for
 from semif_serve.quality.vram import GIB, MemoryUnavailable, PeakSampler, suggested_cap_gib
 from semif_serve.scoring import parse_row
 
@@ -100,6 +101,13 @@ def test_parity_fails_when_the_reference_lacks_rows_or_saw_other_prompts_or_mode
     _, checks = run_checks(scorer, reference=reference)
     assert checks["parity"]["status"] == "fail"
     assert checks["parity"]["details"]["model_mismatch"] == ["revision"]
+
+    reference = reference_of(scorer)  # the same weights in another dtype
+    reference[ROWS[3]["id"]]["model"] = {**reference[ROWS[3]["id"]]["model"], "dtype": "bfloat16"}
+    _, checks = run_checks(scorer, reference=reference)
+    assert checks["parity"]["status"] == "fail"
+    assert checks["parity"]["details"]["model_mismatch"] == ["dtype"]
+    assert "reference model dtype differs" in checks["parity"]["measured"]
 
 
 class DriftingScorer(FakeScorer):
@@ -286,6 +294,58 @@ def test_cli_exits_0_when_every_check_passes(tmp_path, capsys, monkeypatch):
     assert status == 0, captured.out
     assert "ACCEPTED" in captured.out and "NOT ACCEPTED" not in captured.out
     assert json.loads((out / "accept.json").read_text())["passed"] is True
+
+
+def in_dtype(results, dtype):
+    return [{**result, "model": {**result["model"], "dtype": dtype}} for result in results]
+
+
+def test_a_reference_folder_gives_parity_the_file_made_in_the_servers_dtype(
+    tmp_path, capsys, monkeypatch
+):
+    clock = FakeClock()
+    monkeypatch.setattr(accept_module, "now", clock)
+    scorer = sound_scorer(clock)  # serves "float32"
+    results = list(reference_of(scorer).values())
+    folder = tmp_path / "references"
+    folder.mkdir()
+    write_jsonl(folder / "a-bfloat16.jsonl", in_dtype(results, "bfloat16"))
+    write_jsonl(folder / "b-float32.jsonl", results)
+    (folder / "notes.txt").write_text("not a reference")
+    with ServedApp(scorer) as server:
+        status, captured, out = accept_cli(tmp_path, server.url, capsys, "--reference", str(folder))
+        assert status == 0, captured.out
+        report = json.loads((out / "accept.json").read_text())
+        assert report["reference"] == str(folder / "b-float32.jsonl")
+        assert report["checks"][0]["status"] == "pass"
+
+        (folder / "b-float32.jsonl").unlink()
+        status, captured, _ = accept_cli(tmp_path, server.url, capsys, "--reference", str(folder))
+    assert status == 2
+    assert captured.err.strip().splitlines() == [
+        f"semif-serve: error: --reference {folder}: no results of fake at {'0' * 40} in float32 "
+        "(make them with `semif-serve score --dtype float32`)"
+    ]
+
+
+def test_reference_for_takes_the_first_file_whose_every_result_names_the_model():
+    model = {"source": "s", "revision": "r", "dtype": "bfloat16", "device": "cpu"}
+    made = {"model": {**model, "device": "cuda"}}  # the device may differ
+    float32 = {"model": {**model, "dtype": "float32"}}
+    candidates = {
+        "empty": {},
+        "float32": {"x": float32},
+        "mixed": {"x": made, "y": float32},
+        "other revision": {"x": {"model": {**model, "revision": "q"}}},
+        "other source": {"x": {"model": {**model, "source": "t"}}},
+        "no model": {"x": {}},
+        "bfloat16": {"x": made, "y": made},
+        "later": {"x": made},
+    }
+    assert reference_for(candidates, model) == "bfloat16"
+    assert reference_for({**candidates, "bfloat16": {}, "later": {}}, model) is None
+    assert reference_for({"float32": {"x": float32}}, {**model, "dtype": "float32"}) == "float32"
+    assert reference_for({}, model) is None
 
 
 def test_cli_exits_2_with_one_line_for_a_wrong_token_or_no_server(tmp_path, capsys):

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from semif_serve.client import ApiError, Client, SemifError
 from semif_serve.quality.agreement import compare_runs
+from semif_serve.quality.reference import MODEL_KEYS
 from semif_serve.quality.vram import MemoryUnavailable, PeakSampler, suggested_cap_gib
 from semif_serve.state_key import state_key
 
@@ -168,7 +169,7 @@ class Acceptance:
         model = self.health.get("model") or {}
         other_model = [
             key
-            for key in ("source", "revision")
+            for key in MODEL_KEYS
             if any(
                 reference[i].get("model", {}).get(key, model.get(key)) != model.get(key)
                 for i in ids

@@ -81,16 +81,19 @@ def run_accept(args: argparse.Namespace) -> int:
 
     def work(stack: ExitStack) -> None:
         speed_rows = read_plain_rows(args.speed_rows)
-        reference = read_results(args.reference) if args.reference else None
+        client = stack.enter_context(_client(args))
+        path = args.reference
+        if path is not None and path.is_dir():
+            path = _reference_in(path, client.health().get("model") or {})
         inputs = AcceptInputs(
             rows=read_plain_rows(args.data),
             speed_rows=speed_rows,
-            reference=reference,
+            reference=read_results(path) if path is not None else None,
             repeats=args.repeats,
             tolerance=args.tolerance,
             max_speed_p50_s=args.max_speed_p50_s,
         )
-        report = Acceptance(stack.enter_context(_client(args)), inputs).run()
+        report = {**Acceptance(client, inputs).run(), "reference": str(path) if path else None}
         print(table(report), end="")
         if args.out is not None:
             _write_json(args.out / "accept.json", report)
@@ -100,6 +103,22 @@ def run_accept(args: argparse.Namespace) -> int:
     if status == 0 and not outcome["passed"]:
         return EXIT_CHECK_FAILED
     return status
+
+
+def _reference_in(folder: Path, model: dict[str, Any]) -> Path:
+    """The `semif-serve score` output in `folder` made with the server's model and dtype."""
+    from semif_serve.quality.backends import read_results
+    from semif_serve.quality.reference import reference_for
+
+    candidates = {str(path): read_results(path) for path in sorted(folder.glob("*.jsonl"))}
+    chosen = reference_for(candidates, model)
+    if chosen is None:
+        raise CommandError(
+            f"--reference {folder}: no results of {model.get('source')} at "
+            f"{model.get('revision')} in {model.get('dtype')} (make them with `semif-serve score "
+            f"--dtype {model.get('dtype')}`)"
+        )
+    return Path(chosen)
 
 
 def _guard(work) -> int:

@@ -162,20 +162,26 @@ def serve(
     except BaseException:
         if batcher.withdraw(job):
             raise
-        engine = None  # taken meanwhile: it is scored, and this request waits for it
-    if engine is not None:
-        try:
-            while not job.taken:
-                arrival = entry.manager_arrival()  # its own job came before any queued manager
-                batch = batcher.take(None if arrival is None else max(arrival, job.submitted))
-                entry.wake()  # the requests whose jobs it took leave the queue now
-                try:
-                    run_batch(engine, batch)
-                finally:  # whatever happened, no request waits for a job left unfinished
-                    for taken in batch:
-                        if not taken.done.is_set():
-                            taken.finish(ScoringFailed("the batch stopped before this request"))
-        finally:
-            entry.release()
+        # else: taken meanwhile; it is scored, and this request waits for it
+    else:
+        if engine is not None:  # None: another leader took it
+            _lead(entry, batcher, job, engine)
     job.done.wait()  # taken: a leader is running it, and every batch finishes every job
     return job.outcome
+
+
+def _lead(entry: Any, batcher: Batcher, job: Job, engine: Any) -> None:
+    """Holding a slot: run batches of the oldest jobs until `job` has been taken, then release."""
+    try:
+        while not job.taken:
+            arrival = entry.manager_arrival()  # its own job came before any queued manager
+            batch = batcher.take(None if arrival is None else max(arrival, job.submitted))
+            entry.wake()  # the requests whose jobs it took leave the queue now
+            try:
+                run_batch(engine, batch)
+            finally:  # whatever happened, no request waits for a job left unfinished
+                for taken in batch:
+                    if not taken.done.is_set():
+                        taken.finish(ScoringFailed("the batch stopped before this request"))
+    finally:
+        entry.release()

@@ -295,10 +295,8 @@ def _unbatched(outcome: Any, decisions: list[_Decision]) -> tuple[Any, dict[str,
     if not isinstance(outcome, Batched):  # failed before scoring: dropped, out of memory, ...
         raise same_failure(outcome)
     value = outcome.outcome
-    if isinstance(value, RowError):
+    if isinstance(value, RowError):  # a batched input's only failure of its own
         raise InvalidRequest(_locate(value, decisions))
-    if isinstance(value, BaseException):
-        raise same_failure(value)
     return value, {"rows": outcome.rows, "padded_length": outcome.padded_length}
 
 

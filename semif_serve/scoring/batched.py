@@ -10,7 +10,8 @@ The dynamic batcher (`runtime/batcher.py`) hands a model's queued requests here 
   call over those rows would run; requests over the same state share its prefill;
 - a `/decide/shared` call (a `SharedInput`) runs as a unit, never split.
 Each input gets a `Batched`: its outcome (direct: a result dict; shared: (results, timing); or
-the exception its own scoring raised) and the rows and padded length of the forward it ran in.
+the `RowError` its own row raised: any other failure is the whole call's) and the rows and
+padded length of the forward it ran in.
 Results are the scorers' own (nothing added): the server shows the batch figures next to them.
 """
 
@@ -27,6 +28,7 @@ from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
+from semif_serve.scoring.rows import RowError
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
 from semif_serve.scoring.shared import score_shared, state_prefix_sha256
 
@@ -84,7 +86,7 @@ def _alone(scoring_model, item, max_tokens, buckets, prefix_cache) -> Batched:
         outcome = score(
             scoring_model, item, max_tokens=max_tokens, buckets=buckets, prefix_cache=prefix_cache
         )
-    except ValueError as error:  # a row refused on its own: only its request fails
+    except RowError as error:  # a row refused on its own: only its request fails
         outcome = error
     return Batched(outcome, rows, width)
 

@@ -69,8 +69,9 @@ def _bytes_per_token(tokenizer: Any) -> float | None:
     if shrink is None:
         return None
     vocabulary = backend.get_vocab(with_added_tokens=True)
-    longest = max((len(entry.encode()) for entry in vocabulary), default=0)
-    return longest * shrink if longest else None
+    if not vocabulary:
+        return None
+    return max(len(entry.encode()) for entry in vocabulary) * shrink
 
 
 def _state(component: Any) -> dict[str, Any] | None:
