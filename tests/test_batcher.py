@@ -22,6 +22,7 @@ from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut, ScoringFa
 from semif_serve.http import create_app
 from semif_serve.runtime.batcher import Batcher, Job
 from semif_serve.runtime.batching import Cost, cost_of
+from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService
 from semif_serve.scoring import PromptRejected, parse_row
 from semif_serve.scoring.inputs import Batched
@@ -113,6 +114,7 @@ def jobs_queued(rt, count: int, model="a") -> None:
 def busy(rt, scorer) -> Submitted:
     """A first request that leads and is held inside the engine until `scorer.release`."""
     scorer.release.clear()
+    scorer.entered.clear()
     first = Submitted(rt, "first")
     assert scorer.entered.wait(WAIT_S)
     return first
@@ -595,3 +597,46 @@ def test_requests_whose_jobs_were_taken_leave_the_queue_while_their_batch_runs()
     scorer.second.set()
     first.result()
     assert [request.result().outcome["id"] for request in requests] == ["b", "c", "d"]
+
+
+def test_a_batch_waits_for_company_until_it_is_full_or_the_wait_ends():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer, max_batch_rows=2, batch_wait_ms=1000)
+    lone = Submitted(rt, "lone")
+    wait_until(lambda: rt.entry("a")._active == 1)  # it leads, waiting for a second request
+    company = Submitted(rt, "company")  # fills the batch: it runs at once
+    assert lone.result().outcome["id"] == "lone" and company.result().outcome["id"] == "company"
+    assert scorer.batches == [["lone", "company"]]
+    quick = batching_runtime(BatchScorer(), batch_wait_ms=20)
+    assert Submitted(quick, "alone").result().outcome["id"] == "alone"  # after its 20 ms
+
+
+def test_each_model_batches_its_own_requests_and_a_request_keeps_its_timeout():
+    scorers = {"a": BatchScorer(), "b": BatchScorer()}
+    config = settings(**BATCHING)
+    rt = Runtime(
+        config,
+        lambda model_spec: Engine(scorers[model_spec.id]),
+        [spec("a", load_on_startup=True), spec("b", load_on_startup=True)],
+        "a",
+    )
+    rt.start(idle_interval_s=None)
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    reply = api.simulate_post("/decide", json=row(id="for-b", model="b"), headers=AUTH)
+    assert reply.status_code == 200 and scorers["b"].batches == [["for-b"]]
+    assert scorers["a"].batches == []
+    scorers["b"].release.clear()
+    scorers["b"].entered.clear()  # set by the first request: wait for this one's entry
+    busy_b = threading.Thread(
+        target=api.simulate_post,
+        args=("/decide",),
+        kwargs={"json": row(id="hold", model="b"), "headers": AUTH},
+    )
+    busy_b.start()
+    assert scorers["b"].entered.wait(WAIT_S)
+    late = api.simulate_post(
+        "/decide", json=row(id="late", model="b", timeout_s=0.05), headers=AUTH
+    )
+    assert late.status_code == 503 and late.json["error"]["code"] == "server_busy"
+    scorers["b"].release.set()
+    busy_b.join(WAIT_S)

@@ -160,8 +160,9 @@ def test_an_oom_with_nothing_stored_is_a_503_at_once():
 def test_a_drop_that_freed_too_little_is_not_retried():
     cache = FakeModelCache(stored=100 * MIB, entry=10 * MIB, pinned=90 * MIB)  # held by others
     call = Calls(1)
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(OutOfMemory) as caught:
         scorer(cache)._with_fallback(call)
+    assert str(caught.value) == CUDA_OOM
     assert cache.drops == [16 * MIB] and call.caches == [cache]
 
 

@@ -87,8 +87,10 @@ class Batcher:
             while True:
                 eligible = [job for job in self._queue if before is None or job.submitted <= before]
                 count = select([job.cost for job in eligible], self.max_rows, self.max_tokens)
+                rows = sum(job.cost.rows for job in eligible[:count])
+                full = count < len(eligible) or rows >= self.max_rows
                 remaining = deadline - time.monotonic()
-                if count < len(eligible) or remaining <= 0 or not eligible:
+                if full or remaining <= 0 or not eligible:
                     break
                 self._cond.wait(remaining)
             batch = eligible[:count]
