@@ -165,7 +165,7 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
 def host_cpu_flags(path: Path = CPUINFO) -> frozenset[str]:
     """This host's CPU flags; empty where /proc/cpuinfo cannot be read (not Linux)."""
     try:
-        return cpu_flags(path.read_text(encoding="utf-8", errors="replace"))
+        return cpu_flags(path.read_bytes().decode(errors="replace"))
     except OSError:
         return frozenset()
 
@@ -355,9 +355,9 @@ def load_calibration(path: str | None) -> Mapping[str, float]:
 def parse_revision(env: Mapping[str, str], model: str) -> str | None:
     """SEMIF_REVISION; unset, the default model's pinned commit when SEMIF_MODEL is that model,
     else none: a built-in model and a local folder name their own, and a hub id must pin one."""
-    if "SEMIF_REVISION" in env:
-        return _nonempty(env, "SEMIF_REVISION", "")
-    return DEFAULT_REVISION if model == DEFAULT_MODEL else None
+    if "SEMIF_REVISION" not in env and model != DEFAULT_MODEL:
+        return None
+    return _nonempty(env, "SEMIF_REVISION", DEFAULT_REVISION)
 
 
 def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:

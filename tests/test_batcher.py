@@ -328,7 +328,8 @@ def test_cost_of_an_encoded_input():
 
 
 def test_a_taken_job_cannot_be_withdrawn_and_a_queued_one_can():
-    batcher = Batcher(max_rows=1, max_tokens=100)
+    observed = []
+    batcher = Batcher(1, 100, 0.0, lambda *batch: observed.append(batch))
     jobs = [Job(item=k, cost=Cost(1, 1), engine=None, prepare=lambda engine: None) for k in "ab"]
     for job in jobs:
         batcher.submit(job)
@@ -336,6 +337,7 @@ def test_a_taken_job_cannot_be_withdrawn_and_a_queued_one_can():
     assert not batcher.withdraw(jobs[0])
     assert batcher.withdraw(jobs[1]) and batcher.queued == 0
     assert batcher.take(None) == []
+    assert observed == [(1, 1, 1)]  # only a batch that took something is observed
 
 
 def test_a_scorer_without_a_batch_step_scores_each_input_alone():
@@ -640,3 +642,55 @@ def test_each_model_batches_its_own_requests_and_a_request_keeps_its_timeout():
     assert late.status_code == 503 and late.json["error"]["code"] == "server_busy"
     scorers["b"].release.set()
     busy_b.join(WAIT_S)
+
+
+class FrozenClock:
+    """The batcher's clock, moved only by the test (its condition still waits in real time)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+def take_in_thread(batcher, before=None):
+    taken, done = [], threading.Event()
+
+    def run():
+        taken.extend(batcher.take(before))
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return taken, done
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "queued_rows", "returns_at_once"),
+    [
+        (5.0, [1, 1], True),  # full (2 of 2 rows): no wait for company
+        (5.0, [1, 1, 1], True),  # one left out: full
+        (5.0, [1], False),  # room for more: waits while its clock does not move
+        (0.0, [1], True),  # no wait at all
+    ],
+)
+def test_a_batch_waits_only_while_it_is_not_full_and_its_wait_lasts(
+    monkeypatch, wait_s, queued_rows, returns_at_once
+):
+    from semif_serve.runtime import batcher as batcher_module
+
+    clock = FrozenClock()
+    monkeypatch.setattr(batcher_module, "time", clock)
+    batcher = Batcher(2, 1000, wait_s, lambda *batch: None)
+    for index, rows in enumerate(queued_rows):
+        batcher.submit(Job(item=index, cost=Cost(rows, 1), engine=None, prepare=lambda e: None))
+    taken, done = take_in_thread(batcher)
+    if returns_at_once:
+        assert done.wait(WAIT_S)
+        assert [job.item for job in taken] == list(range(min(2, len(queued_rows))))
+        return
+    assert not done.wait(0.2)  # bounded: still waiting for company
+    clock.now += wait_s  # its wait is over
+    batcher.submit(Job(item="nudge", cost=Cost(5, 1), engine=None, prepare=lambda e: None))
+    assert done.wait(WAIT_S)
+    assert [job.item for job in taken] == [0]

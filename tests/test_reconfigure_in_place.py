@@ -8,7 +8,9 @@ Fake engines (the production Engine over a fake scorer) and one tiny real model;
 
 from __future__ import annotations
 
+import logging
 import threading
+from types import SimpleNamespace
 
 import pytest
 from fakes import WAIT_S, FakeScorer, row
@@ -64,9 +66,13 @@ def loaded(factory=None, **spec_fields):
     "change",
     [{"keep_alive_s": 60}, {"slots": 3}, {"max_tokens": 2048}, {"max_tokens": 2048, "slots": 8}],
 )
-def test_a_change_that_keeps_the_weights_applies_without_a_reload(change):
+def test_a_change_that_keeps_the_weights_applies_without_a_reload(change, caplog):
     rt, factory, engine = loaded()
-    status = rt.register("a", {**TABLE, **change})
+    with caplog.at_level(logging.INFO, logger="semif_serve.runtime.registry"):
+        status = rt.register("a", {**TABLE, **change})
+    assert "model a reconfigured in place (its weights are unchanged)" in [
+        record.getMessage() for record in caplog.records
+    ]
     assert factory.events == [("load", "a")]  # no second load, and nothing closed
     assert rt.entry("a").engine is engine
     for key in ("keep_alive_s", "slots"):
@@ -184,3 +190,15 @@ def test_capacity_at_asks_the_weights_only_of_a_scorer_that_can_tell_and_up_to_t
     engine.warmed_max_tokens = 4096
     assert engine.capacity_at(4096) == 3  # exactly the warmed length: its shapes exist
     assert engine.capacity_at(4097) is None
+
+
+def test_an_engine_that_cannot_say_its_capacity_is_reloaded_even_for_keep_alive():
+    built = []
+
+    def factory(model_spec):
+        built.append(SimpleNamespace(close=lambda: None))
+        return built[-1]
+
+    rt = runtime(spec("a", load_on_startup=True), factory=factory)
+    rt.register("a", {**TABLE, "keep_alive_s": 60})
+    assert len(built) == 2 and rt.entry("a").engine is built[1]

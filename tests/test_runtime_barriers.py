@@ -112,3 +112,28 @@ def test_bulk_unload_reports_a_failed_unload_after_handling_every_model():
     with pytest.raises(RuntimeError, match="^close failed$"):
         rt.bulk_unload(["b", "a"])
     assert rt.entry("a").status()["state"] == "unloaded"
+
+
+def test_the_wait_for_a_load_counts_from_when_the_request_queued(frozen_clock):
+    """A request that waited for a slot, then for a load, has its timeout counted from when it
+    queued: the wait for the load gets only what is left (issue 22.8)."""
+    factory = Factory()
+    factory.load_gate = threading.Event()
+    rt = runtime(spec("a", slots=2), factory=factory)
+    loader = Held(rt, "a")  # loads, held at the gate
+    assert factory.load_started.wait(WAIT_S)
+    left = threading.Event()
+    spare = Held(rt, "a", gone=left.is_set)  # the second slot, waiting for the load
+    wait_until(lambda: rt.entry("a")._active == 2)
+    late = Held(rt, "a", timeout_s=0.5)  # queued at 1000.0 for a slot
+    wait_until(lambda: queued(rt) == 1)
+    frozen_clock.now += 0.3
+    left.set()  # the spare slot frees at 1000.3: late is admitted and waits for the load
+    assert spare.done.wait(WAIT_S)
+    wait_until(lambda: queued(rt) == 0)
+    frozen_clock.now += 0.25  # 1000.55: past 1000.0 + 0.5, though only 0.25 after admission
+    assert late.done.wait(WAIT_S)
+    assert isinstance(late.error, QueueTimedOut)
+    assert str(late.error) == "waited 0.5 s for model 'a' (it was loading)"
+    factory.load_gate.set()
+    loader.finish()

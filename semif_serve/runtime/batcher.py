@@ -54,14 +54,14 @@ class Batcher:
         self,
         max_rows: int,
         max_tokens: int,
-        wait_s: float = 0.0,
-        observe: Callable[[int, int, int], None] | None = None,
+        wait_s: float,
+        observe: Callable[[int, int, int], None],
     ):
         self.max_rows = max_rows
         self.max_tokens = max_tokens
         self.wait_s = wait_s
         # Told (rows, padded tokens, the requests' own tokens) of each batch taken (metrics).
-        self.observe = observe or (lambda rows, padded, real: None)
+        self.observe = observe
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
 
