@@ -291,7 +291,10 @@ class ModelEntry:
         """Wait (holding the condition) until `may_enter`, then leave the head of the queue;
         or until `served`, then leave it wherever the waiter is (True: served, no slot).
         Any other way out of the wait also leaves the queue, so no waiter is ever stranded."""
-        was_served = served or (lambda: False)
+
+        def was_served() -> bool:
+            return served is not None and served()
+
         try:
             self._wait_until(lambda: was_served() or may_enter(waiter), timeout, gone)
         except BaseException:
