@@ -93,7 +93,7 @@ def bodies(groups: list[list[dict]]) -> list[tuple[str, dict]]:
 def cache_stats(server: LiveServer) -> dict | None:
     status, reply, _ = server.request("GET", "/v1/models", headers=AUTH)
     assert status == 200, reply
-    [model] = reply["data"] if "data" in reply else reply["models"]
+    [model] = reply["models"]
     return model["prefix_cache"]
 
 
