@@ -22,13 +22,6 @@ MIN_TOKEN_LENGTH = 32
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")  # \d would take any Unicode digit
 DTYPES = ("float32", "bfloat16", "float16")
-CPUINFO = Path("/proc/cpuinfo")
-# x86 instructions that compute bfloat16 in hardware (AVX512-BF16 dot products, AMX-BF16 tiles).
-# On such a CPU SmolLM2 scores 1.7-2.8x faster in bfloat16 than in float32 (docs/performance.md,
-# "float32 or bfloat16 on the CPU"), so it is the CPU's default there. Without them torch
-# emulates bfloat16 through float32; other architectures' flags (aarch64's "bf16") are not
-# measured: both keep float32.
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # SEMIF_PREFIX_CACHE_GIB's default: on a GPU host ~70 states of ~2k tokens of Qwen3.5-4B; on the
 # CPU ~10 of SmolLM2's. At most MAX_PREFIX_CACHE_GIB (more is a typo: no card holds it).
 PREFIX_CACHE_GIB = {"cpu": 1.0, "cuda": 8.0}
@@ -88,14 +81,17 @@ class Settings:
         return settings_from_env(os.environ if environ is None else environ)
 
 
-def settings_from_env(env: Mapping[str, str], cpu: frozenset[str] | None = None) -> Settings:
+def settings_from_env(env: Mapping[str, str]) -> Settings:
     """Every SEMIF_* variable parsed and validated (a module function, so the mutation grid can
-    mutate it: mutmut leaves decorated methods such as `from_env` alone). `cpu`: the CPU's
-    flags for the dtype's CPU default (None: this host's, read only when that default is used)."""
+    mutate it: mutmut leaves decorated methods such as `from_env` alone)."""
     device = env.get("SEMIF_DEVICE", "cuda")
     if not DEVICE_PATTERN.fullmatch(device):
         raise ConfigError(f"SEMIF_DEVICE: must be cuda, cuda:N or cpu, got {device!r}")
-    dtype = env["SEMIF_DTYPE"] if "SEMIF_DTYPE" in env else default_dtype(device, cpu)
+    # float32 on the CPU even where bfloat16 is native and ~2x faster: SmolLM2's probabilities
+    # then move by up to 0.06 and `accept`'s negative control fails (docs/performance.md,
+    # "float32 or bfloat16 on the CPU"). SEMIF_DTYPE=bfloat16 opts in.
+    default_dtype = "float32" if device == "cpu" else "bfloat16"
+    dtype = env.get("SEMIF_DTYPE", default_dtype)
     if dtype not in DTYPES:
         raise ConfigError(f"SEMIF_DTYPE: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model = _nonempty(env, "SEMIF_MODEL", DEFAULT_MODEL)
@@ -135,39 +131,6 @@ def settings_from_env(env: Mapping[str, str], cpu: frozenset[str] | None = None)
         max_batch_tokens=parse_limit(env, "SEMIF_MAX_BATCH_TOKENS", 16384, MAX_BATCH_TOKENS_LIMIT),
         batch_wait_ms=parse_wait_ms(env, "SEMIF_BATCH_WAIT_MS"),
     )
-
-
-def default_dtype(device: str, cpu: frozenset[str] | None = None) -> str:
-    """SEMIF_DTYPE's default: bfloat16 on a GPU; on the CPU bfloat16 where the CPU computes it
-    natively (`cpu`: its flags; None: this host's), else float32."""
-    if device != "cpu":
-        return "bfloat16"
-    return "bfloat16" if native_bf16(host_cpu_flags() if cpu is None else cpu) else "float32"
-
-
-def native_bf16(flags: frozenset[str]) -> bool:
-    """Whether a CPU with these flags computes bfloat16 in hardware."""
-    return not BF16_CPU_FLAGS.isdisjoint(flags)
-
-
-def cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The flags every processor of a /proc/cpuinfo text lists on its `flags` line (x86); empty
-    when there is none (`torch.backends.cpu.get_cpu_capability()` cannot tell: it says "AVX512"
-    with and without the bfloat16 instructions alike)."""
-    listed = [
-        frozenset(value.split())
-        for name, _, value in (line.partition(":") for line in cpuinfo.splitlines())
-        if name.strip() == "flags"
-    ]
-    return frozenset.intersection(*listed) if listed else frozenset()
-
-
-def host_cpu_flags(path: Path = CPUINFO) -> frozenset[str]:
-    """This host's CPU flags; empty where /proc/cpuinfo cannot be read (not Linux)."""
-    try:
-        return cpu_flags(path.read_bytes().decode(errors="replace"))
-    except OSError:
-        return frozenset()
 
 
 def parse_token(token: str | None) -> str:
