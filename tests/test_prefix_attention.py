@@ -11,6 +11,7 @@ from test_shared import assert_shared_matches_direct
 from tiny_models import byte_tokenizer, tiny_llama, tiny_qwen35
 
 import semif_serve.scoring.prefix_attention as prefix_attention
+import semif_serve.scoring.packed as packed_module
 import semif_serve.scoring.shared as shared_module
 from semif_serve.scoring import ModelInfo, PromptRejected, ScoringModel, parse_row, score
 from semif_serve.scoring.cache import can_share_prefix, share_prefix
@@ -139,7 +140,7 @@ def test_a_model_on_another_attention_kernel_replicates_and_stays_exact(
 
 @pytest.mark.parametrize("chunk_tokens", [1, 40, 10**6])
 def test_packed_chunks_of_any_size_stay_exact(monkeypatch, chunk_tokens):
-    monkeypatch.setattr(shared_module, "PACKED_CHUNK_TOKENS", chunk_tokens)
+    monkeypatch.setattr(packed_module, "PACKED_CHUNK_TOKENS", chunk_tokens)
     model = ScoringModel(model=tiny_llama(), tokenizer=byte_tokenizer(), info=INFO)
     _, _, timing = assert_shared_matches_direct(model, make_rows(6, [2, 7, 3]), tolerance=1e-5)
     assert timing["padded_suffix_tokens"] == timing["true_suffix_tokens"]
@@ -147,10 +148,10 @@ def test_packed_chunks_of_any_size_stay_exact(monkeypatch, chunk_tokens):
 
 def test_chunks_keep_order_and_size_and_never_split_a_suffix():
     suffixes = [[1] * 5, [2] * 3, [3] * 9, [4] * 2, [5] * 2]
-    chunks = shared_module._chunks(suffixes, 8)
+    chunks = packed_module.chunks(suffixes, 8)
     assert [suffix for chunk in chunks for suffix in chunk] == suffixes
     assert [[len(suffix) for suffix in chunk] for chunk in chunks] == [[5, 3], [9], [2, 2]]
-    assert shared_module._chunks(suffixes, 10**6) == [suffixes]
+    assert packed_module.chunks(suffixes, 10**6) == [suffixes]
 
 
 class PlainTokenizer:
