@@ -10,8 +10,8 @@ from test_cache import prefilled_cache
 from test_shared import assert_shared_matches_direct
 from tiny_models import byte_tokenizer, tiny_llama, tiny_qwen35
 
-import semif_serve.scoring.prefix_attention as prefix_attention
 import semif_serve.scoring.packed as packed_module
+import semif_serve.scoring.prefix_attention as prefix_attention
 import semif_serve.scoring.shared as shared_module
 from semif_serve.scoring import ModelInfo, PromptRejected, ScoringModel, parse_row, score
 from semif_serve.scoring.cache import can_share_prefix, share_prefix
