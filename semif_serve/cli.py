@@ -106,7 +106,10 @@ def add_quality_commands(commands) -> None:
     accept.add_argument(
         "--reference",
         type=Path,
-        help="`semif-serve score` output for the same rows; without it parity is skipped",
+        help=(
+            "`semif-serve score` output for the same rows, or a folder of them (the one made "
+            "with the server's model and dtype is used); without it parity is skipped"
+        ),
     )
     accept.add_argument(
         "--speed-rows",
