@@ -1,4 +1,5 @@
-"""Shared by the benchmark suites: the size switch, a timer, and the results they report.
+"""Shared by the benchmark suites: the size switch, a timer, the model a bench server serves, a
+peak sampler, and the results they report.
 
 SEMIF_BENCH_SIZE=full (make bench) uses the built-in SmolLM2 and the issue's shapes; the default
 `tiny` runs every suite once on a tiny model (make test), so none of them rots.
@@ -9,7 +10,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 SIZE = os.environ.get("SEMIF_BENCH_SIZE", "tiny")
 FULL = SIZE == "full"
@@ -41,3 +46,36 @@ def report(suite: str, measured: str, against: str, ratio: float, **figures) -> 
     """Print one line a person can read and keep the figures for the results file."""
     print(f"\n[{suite}] {measured} vs {against}: ratio {ratio:.2f} {json.dumps(figures)}")
     RESULTS[suite] = {"measured": measured, "against": against, "ratio": ratio, **figures}
+
+
+def model_source(folder: Path, bench_model) -> str:
+    """What a bench server's SEMIF_MODEL is: the built-in SmolLM2 in full runs, else the tiny
+    bench model saved under `folder`."""
+    if FULL:
+        return "builtin:smollm2-135m"
+    bench_model.model.save_pretrained(folder / "model")
+    bench_model.tokenizer.save_pretrained(folder / "model")
+    return str(folder / "model")
+
+
+@contextmanager
+def sampled_peak(read: Callable[[], int], every_s: float) -> Iterator[dict]:
+    """{"start", "peak"}: `read()` (resident bytes) when the block starts and the most seen while
+    it runs, sampled every `every_s` by a background thread that stops with the block."""
+    figures = {"start": read()}
+    figures["peak"] = figures["start"]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(every_s):
+            figures["peak"] = max(figures["peak"], read())
+
+    sampler = threading.Thread(target=sample, name="peak-sampler", daemon=True)
+    sampler.start()
+    try:
+        yield figures
+    finally:
+        stop.set()
+        sampler.join(timeout=5)
+    assert not sampler.is_alive(), "the peak sampler did not stop"
+    figures["peak"] = max(figures["peak"], read())

@@ -10,18 +10,15 @@ p50/p99 per request are reported. `make test` runs each once on a tiny model (no
 
 from __future__ import annotations
 
-import random
-import shutil
 import statistics
-import sys
 import threading
 import time
 
 import pytest
-from benchlib import FULL, report, spread
+from benchlib import FULL, model_source, report, spread
 from fakes import AUTH
-from live_server import LiveServer
-from workloads import CRITERIA, YES_NO, make_state
+from live_server import LiveServer, semif_serve_command
+from workloads import make_workload
 
 CALLERS = 16
 REQUESTS_PER_CALLER = 6 if FULL else 1
@@ -32,39 +29,14 @@ OFF = {"SEMIF_MAX_BATCH_ROWS": "1"}
 
 
 def rows_of(tokenizer, count: int, tokens: int, seed: int) -> list[dict]:
-    """`count` rows, each over its own state, of about `tokens` prompt tokens."""
-    from semif_serve.scoring import parse_row
-    from semif_serve.scoring.prompt import encode_prompt
-
-    rows = []
-    for index in range(count):
-        words = max(2, tokens // 3)
-        for _ in range(20):
-            state = make_state(random.Random(seed * 10_000 + index), words)
-            row = {
-                "id": f"r{index}",
-                "state": state,
-                "question": CRITERIA[index % len(CRITERIA)],
-                "options": YES_NO,
-            }
-            length = len(encode_prompt(tokenizer, parse_row(row), 1 << 20).ids)
-            if length >= tokens * 0.9:
-                break
-            words = int(words * max(1.1, tokens / max(length, 1)))
-        rows.append(row)
-    return rows
+    """`count` rows, each over its own state of about `tokens` prompt tokens."""
+    return [group[0] for group in make_workload(tokenizer, count, 1, tokens, seed)]
 
 
 def serving(tmp_path, bench_model, extra: dict[str, str]):
-    env = {"SEMIF_DEVICE": "cpu", "SEMIF_MAX_TOKENS": "8192", **extra}
-    if FULL:
-        env["SEMIF_MODEL"] = "builtin:smollm2-135m"
-    else:
-        bench_model.model.save_pretrained(tmp_path / "model")
-        bench_model.tokenizer.save_pretrained(tmp_path / "model")
-        env["SEMIF_MODEL"] = str(tmp_path / "model")
-    command = [shutil.which("semif-serve") or f"{sys.prefix}/bin/semif-serve", "serve"]
-    return LiveServer(command, env, tmp_path / f"server-{len(extra)}-{extra}.log".replace(" ", ""))
+    model = model_source(tmp_path, bench_model)
+    env = {"SEMIF_DEVICE": "cpu", "SEMIF_MAX_TOKENS": "8192", "SEMIF_MODEL": model, **extra}
+    return LiveServer(semif_serve_command(), env, tmp_path / "server.log")
 
 
 def post(server, row) -> tuple[float, dict]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import FULL, report
+from benchlib import FULL, model_source, report
 
 PROBE = Path(__file__).parent / "capacity_probe.py"
 BUDGET_GIB = 2.0  # the CPU budget the rows-that-fit figure is computed for
@@ -29,10 +29,7 @@ def test_memory_per_row_by_prefix_length(bench_model, tmp_path):
     if FULL:
         source, prefixes, rows = "builtin:smollm2-135m", (140, 520, 1960, 3900), 16
     else:
-        source = str(tmp_path / "model")
-        bench_model.model.save_pretrained(source)
-        bench_model.tokenizer.save_pretrained(source)
-        prefixes, rows = (140,), 4
+        source, prefixes, rows = model_source(tmp_path, bench_model), (140,), 4
     figures = {}
     for layout in ("packed", "shared-prefix", "replicated"):
         for prefix in prefixes:

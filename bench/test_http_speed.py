@@ -6,9 +6,9 @@ import statistics
 import time
 
 import pytest
-from benchlib import FULL, report, spread, timed
+from benchlib import FULL, model_source, report, spread, timed
 from fakes import AUTH
-from live_server import LiveServer
+from live_server import LiveServer, semif_serve_command
 from workloads import make_workload
 
 from semif_serve.scoring import score
@@ -18,19 +18,14 @@ HTTP_TARGET = 1.05  # HTTP /decide p50 at most 5% over the bare scorer call
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, bench_model):
-    import shutil
-    import sys
-
     folder = tmp_path_factory.mktemp("bench-server")
-    env = {"SEMIF_DEVICE": "cpu", "SEMIF_MAX_TOKENS": "8192", "SEMIF_MAX_BODY_BYTES": str(8 << 20)}
-    if FULL:
-        env["SEMIF_MODEL"] = "builtin:smollm2-135m"
-    else:
-        bench_model.model.save_pretrained(folder / "model")
-        bench_model.tokenizer.save_pretrained(folder / "model")
-        env["SEMIF_MODEL"] = str(folder / "model")
-    command = [shutil.which("semif-serve") or f"{sys.prefix}/bin/semif-serve", "serve"]
-    with LiveServer(command, env, folder / "server.log") as live:
+    env = {
+        "SEMIF_DEVICE": "cpu",
+        "SEMIF_MAX_TOKENS": "8192",
+        "SEMIF_MAX_BODY_BYTES": str(8 << 20),
+        "SEMIF_MODEL": model_source(folder, bench_model),
+    }
+    with LiveServer(semif_serve_command(), env, folder / "server.log") as live:
         yield live
 
 

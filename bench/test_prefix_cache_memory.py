@@ -15,13 +15,11 @@ what the calls themselves leave resident.
 
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from benchlib import FULL, report
+from benchlib import FULL, model_source, report, sampled_peak
 from fakes import AUTH
 from live_server import LiveServer, semif_serve_command
 from workloads import make_workload
@@ -47,34 +45,6 @@ def vm_rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-@contextmanager
-def sampled_peak(pid: int):
-    """{"peak"}: the most resident bytes seen in the block, sampled every SAMPLE_EVERY_S."""
-    figures = {"peak": vm_rss(pid)}
-    stop = threading.Event()
-
-    def sample():
-        while not stop.wait(SAMPLE_EVERY_S):
-            figures["peak"] = max(figures["peak"], vm_rss(pid))
-
-    sampler = threading.Thread(target=sample, name="worker-rss", daemon=True)
-    sampler.start()
-    try:
-        yield figures
-    finally:
-        stop.set()
-        sampler.join(timeout=5)
-    figures["peak"] = max(figures["peak"], vm_rss(pid))
-
-
-def model_path(tmp_path: Path, bench_model) -> str:
-    if FULL:
-        return "builtin:smollm2-135m"
-    bench_model.model.save_pretrained(tmp_path / "model")
-    bench_model.tokenizer.save_pretrained(tmp_path / "model")
-    return str(tmp_path / "model")
 
 
 def bodies(groups: list[list[dict]]) -> list[tuple[str, dict]]:
@@ -114,7 +84,7 @@ def run_phase(folder: Path, source: str, calls: list, cache_gib: float, env=None
         baseline, before = vm_rss(pid), cache_stats(server)
         settled, stored = [], []
         started = time.perf_counter()
-        with sampled_peak(pid) as peak:
+        with sampled_peak(lambda: vm_rss(pid), SAMPLE_EVERY_S) as peak:
             for path, body in calls:
                 status, reply, _ = server.request("POST", path, body, AUTH, timeout=600)
                 assert status == 200, reply
@@ -144,7 +114,7 @@ def phases(tmp_path_factory, bench_model) -> dict:
     groups = make_workload(bench_model.tokenizer, states, SHARED_ROWS, tokens)
     calls = bodies(groups)
     folder = tmp_path_factory.mktemp("prefix-cache-memory")
-    source = model_path(folder, bench_model)
+    source = model_source(folder, bench_model)
     budget = BUDGET_GIB if FULL else 0.0005  # tiny: ~0.5 MiB, 3 tiny states: evictions too
     return {
         "states": states,

@@ -13,11 +13,9 @@ model's byte tokenizer makes even its short states a few hundred tokens long.
 """
 
 import os
-import threading
 import time
-from contextlib import contextmanager
 
-from benchlib import FULL, report, spread
+from benchlib import FULL, report, sampled_peak, spread
 from test_shared_speed import measured
 from workloads import make_workload
 
@@ -98,32 +96,9 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * PAGE_BYTES
 
 
-@contextmanager
-def peak_rss():
-    """{"start", "peak"}: this process's resident bytes when the block starts and the most seen
-    while it runs, sampled every RSS_EVERY_S by a background thread."""
-    figures = {"start": rss_bytes()}
-    figures["peak"] = figures["start"]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.wait(RSS_EVERY_S):
-            figures["peak"] = max(figures["peak"], rss_bytes())
-
-    sampler = threading.Thread(target=sample, name="peak-rss", daemon=True)
-    sampler.start()
-    try:
-        yield figures
-    finally:
-        stop.set()
-        sampler.join(timeout=5)
-    assert not sampler.is_alive(), "the RSS sampler did not stop"
-    figures["peak"] = max(figures["peak"], rss_bytes())
-
-
 def run_phase(scorer: TorchScorer, calls: list) -> tuple[float, list[dict], dict]:
     """(wall seconds, results, peak RSS figures) of scoring `calls` in order."""
-    with peak_rss() as rss:
+    with sampled_peak(rss_bytes, RSS_EVERY_S) as rss:
         started = time.perf_counter()
         results = [scorer.score(row) for _, _, row in calls]
         seconds = time.perf_counter() - started

@@ -26,6 +26,7 @@ from semif_serve.scoring import shared
 from semif_serve.scoring.direct import score as score_direct
 from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput
 from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.prefill import letter_logits
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import RowError
@@ -115,18 +116,11 @@ def _padded(
         ).last_hidden_state
         rows = hidden[torch.arange(len(items), device=device), last.to(device)]
         logits = model.get_output_embeddings()(rows).float()
-        letters = [
-            logits[row]
-            .index_select(
-                0, torch.tensor(item.prompt.letter_token_ids, dtype=torch.long, device=device)
-            )
-            .cpu()
-            for row, item in enumerate(items)
-        ]
+        letters = letter_logits(logits, [item.prompt for item in items], device)
     forward_seconds = perf_counter() - started
     results = [
-        _direct_result(scoring_model, item, letter_logits, forward_seconds, False)
-        for item, letter_logits in zip(items, letters)
+        _direct_result(scoring_model, item, row_letters, forward_seconds, False)
+        for item, row_letters in zip(items, letters)
     ]
     return results, width
 
@@ -147,8 +141,8 @@ def _over_prefix(
     )
     forward_seconds = perf_counter() - started
     return [
-        _direct_result(scoring_model, item, letter_logits, forward_seconds, timing["cache_hit"])
-        for item, letter_logits in zip(items, logits)
+        _direct_result(scoring_model, item, row_letters, forward_seconds, timing["cache_hit"])
+        for item, row_letters in zip(items, logits)
     ]
 
 
