@@ -3,6 +3,8 @@ socketpair per test."""
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import socket
 
 import pytest
@@ -11,6 +13,27 @@ from tiny_models import qwen35_tokenizer, tiny_qwen35
 import semif_serve  # noqa: F401  (offline before torch/transformers load)
 from semif_serve.loading import load_model
 from semif_serve.scoring import ModelInfo, ScoringModel
+
+# Under a mutant, a test that runs this long has hung (the slowest grid test takes ~7 s on a quiet
+# machine, most under 1 s; mutmut's own limit is at least 15 s plus the tests' measured time x 3).
+MUTANT_HANG_S = 15
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under a mutmut mutant, a test still running after MUTANT_HANG_S ends the run with exit
+    status 1 (faulthandler prints every thread's stack first): a mutant that hangs an unbounded
+    wait is killed by the test that hangs. Without this, mutmut runs a mutant's tests in an
+    arbitrary order (a set), so the same hanging mutant was killed when a bounded-wait test ran
+    first and timed out when a hanging one did: killed locally, an unrecorded timeout in CI."""
+    if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+        yield
+        return
+    faulthandler.dump_traceback_later(MUTANT_HANG_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
