@@ -1,5 +1,5 @@
-"""Shared by the benchmark suites: the size switch, a timer, the model a bench server serves, a
-peak sampler, and the results they report.
+"""Shared by the benchmark suites: the size switch, a timer, concurrent callers, the model a bench
+server serves, a peak sampler, and the results they report.
 
 SEMIF_BENCH_SIZE=full (make bench) uses the built-in SmolLM2 and the issue's shapes; the default
 `tiny` runs every suite once on a tiny model (make test), so none of them rots.
@@ -40,6 +40,48 @@ def timed(call, rounds: int) -> dict:
         call()
         samples.append(time.perf_counter() - started)
     return spread(samples)
+
+
+def p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def concurrent_callers(
+    send: Callable[[dict], object], rows: list[dict], callers: int, timeout_s: float = 600
+) -> tuple[float, list[float]]:
+    """(decisions/s, each call's seconds): `callers` threads released together by a barrier, each
+    sending its share of `rows` one after another with `send(row)` (which raises on a failure)."""
+    latencies: list[float] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(callers + 1)
+
+    def caller(mine: list[dict]) -> None:
+        start.wait(timeout=timeout_s)
+        for row in mine:
+            started = time.perf_counter()
+            try:
+                send(row)
+            except BaseException as error:
+                with lock:
+                    failures.append(error)
+                return
+            with lock:
+                latencies.append(time.perf_counter() - started)
+
+    threads = [threading.Thread(target=caller, args=(rows[k::callers],)) for k in range(callers)]
+    for thread in threads:
+        thread.start()
+    start.wait(timeout=timeout_s)
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join(timeout_s)
+    elapsed = time.perf_counter() - started
+    if failures:
+        raise failures[0]
+    assert not any(thread.is_alive() for thread in threads), "a caller did not finish in time"
+    return len(rows) / elapsed, latencies
 
 
 def report(suite: str, measured: str, against: str, ratio: float, **figures) -> None:

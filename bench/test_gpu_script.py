@@ -33,6 +33,13 @@ def test_the_gpu_suites_run_and_report_every_figure():
     assert shared["compared"] == 3 and shared["argmax_flips"] == 0
     assert shared["max_probability_difference"] <= 1e-5
     assert serving["server_env"]["SEMIF_DEVICE"] == "cpu"
+    batching = serving["batching"]
+    assert batching["env"]["SEMIF_MAX_BATCH_ROWS"] == "4"
+    assert serving["start_to_ready_s_batching"] > 0
+    for side in ("on", "off"):
+        assert all(batching[side][name]["requests"] == 4 for name in ("short", "long"))
+        assert batching[side]["alone_s"]["n"] == 2
+    assert all(batching[f"batching_{name}_on_vs_off"] > 0 for name in ("short", "long", "alone"))
     [run] = document["runs"].values()
     assert run["kernels"] == "reference"
     fresh_vs_shared = run["fresh_vs_shared"]

@@ -26,6 +26,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 # CPU ~10 of SmolLM2's. At most MAX_PREFIX_CACHE_GIB (more is a typo: no card holds it).
 PREFIX_CACHE_GIB = {"cpu": 1.0, "cuda": 8.0}
 MAX_PREFIX_CACHE_GIB = 1024.0
+# The dynamic batcher's defaults (rows, padded tokens), by measurement (docs/performance.md): on 2
+# CPU cores a batched forward gains up to ~1.27x per row below ~200 tokens and loses beyond ~2k
+# padded tokens, so the CPU batches up to 1,024 padded tokens (16 callers of ~140 tokens: 1.15-1.19x
+# decisions/s; ~600-token prompts run one per forward, as unbatched). CUDA stays unbatched until
+# a GPU run measures it (bench/gpu/run.sh).
+BATCH_DEFAULTS = {"cpu": (16, 1024), "cuda": (1, 16384)}
 # Upper bounds of the integer limits: generous but finite, so a mistaken value (400 digits) is
 # refused at startup, naming the variable, instead of overflowing arithmetic downstream.
 MAX_TOKENS_LIMIT = 1 << 20  # models.toml's max_tokens has the same bound
@@ -91,6 +97,8 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
     # then move by up to 0.06 and `accept`'s negative control fails (docs/performance.md,
     # "float32 or bfloat16 on the CPU"). SEMIF_DTYPE=bfloat16 opts in.
     default_dtype = "float32" if device == "cpu" else "bfloat16"
+    device_kind = "cpu" if device == "cpu" else "cuda"
+    batch_rows, batch_tokens = BATCH_DEFAULTS[device_kind]
     dtype = env.get("SEMIF_DTYPE", default_dtype)
     if dtype not in DTYPES:
         raise ConfigError(f"SEMIF_DTYPE: must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -124,11 +132,12 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         write_timeout_s=parse_deadline(env, "SEMIF_WRITE_TIMEOUT_S", 30.0),
         max_connections=parse_limit(env, "SEMIF_MAX_CONNECTIONS", 1000, MAX_CONNECTIONS_LIMIT),
         prefix_cache_gib=parse_cache_gib(
-            env.get("SEMIF_PREFIX_CACHE_GIB"),
-            PREFIX_CACHE_GIB["cpu" if device == "cpu" else "cuda"],
+            env.get("SEMIF_PREFIX_CACHE_GIB"), PREFIX_CACHE_GIB[device_kind]
         ),
-        max_batch_rows=parse_limit(env, "SEMIF_MAX_BATCH_ROWS", 1, MAX_BATCH_ROWS_LIMIT),
-        max_batch_tokens=parse_limit(env, "SEMIF_MAX_BATCH_TOKENS", 16384, MAX_BATCH_TOKENS_LIMIT),
+        max_batch_rows=parse_limit(env, "SEMIF_MAX_BATCH_ROWS", batch_rows, MAX_BATCH_ROWS_LIMIT),
+        max_batch_tokens=parse_limit(
+            env, "SEMIF_MAX_BATCH_TOKENS", batch_tokens, MAX_BATCH_TOKENS_LIMIT
+        ),
         batch_wait_ms=parse_wait_ms(env, "SEMIF_BATCH_WAIT_MS"),
     )
 

@@ -156,6 +156,24 @@ def test_the_prefix_cache_budget_defaults_by_device_and_takes_0_to_1024_gib():
         assert repr(text) in str(refused.value)
 
 
+def test_the_batch_limits_default_by_device_as_measured():
+    """docs/performance.md, "Dynamic batching": the CPU batches up to 1,024 padded tokens of 16
+    rows; CUDA stays unbatched until a GPU run measures it. The variables override both."""
+    cpu = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"})
+    gpu = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cuda:1"})
+    assert (cpu.max_batch_rows, cpu.max_batch_tokens) == (16, 1024)
+    assert (gpu.max_batch_rows, gpu.max_batch_tokens) == (1, 16384)
+    chosen = Settings.from_env(
+        {
+            "SEMIF_API_TOKEN": TOKEN,
+            "SEMIF_DEVICE": "cpu",
+            "SEMIF_MAX_BATCH_ROWS": "1",
+            "SEMIF_MAX_BATCH_TOKENS": "9",
+        }
+    )
+    assert (chosen.max_batch_rows, chosen.max_batch_tokens) == (1, 9)
+
+
 def test_the_calibration_variable_loads_its_file(tmp_path):
     path = tmp_path / "calibration.json"
     path.write_text('{"triage": 1.5}', encoding="utf-8")

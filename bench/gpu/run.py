@@ -42,6 +42,10 @@ SERVING_FULL = {
     "criteria": 21,
     "state_tokens": 1900,
     "fresh_states": 5,
+    "batch_callers": 16,
+    "batch_rounds": 4,
+    "batch_tokens": {"short": 200, "long": 2000},
+    "batch_env": {"SEMIF_MAX_BATCH_ROWS": "16", "SEMIF_MAX_BATCH_TOKENS": "32768"},
 }
 SERVING_SMOKE = {
     "decide_tokens": 120,
@@ -50,6 +54,10 @@ SERVING_SMOKE = {
     "criteria": 3,
     "state_tokens": 120,
     "fresh_states": 1,
+    "batch_callers": 4,
+    "batch_rounds": 1,
+    "batch_tokens": {"short": 60, "long": 120},
+    "batch_env": {"SEMIF_MAX_BATCH_ROWS": "4", "SEMIF_MAX_BATCH_TOKENS": "4096"},
 }
 
 

@@ -9,7 +9,11 @@ nothing to compile or autotune (target <= 1.5x). The first start also measures t
 p50 server-side (`total_seconds`; target <= 35 ms on an H200), shape777-like shared throughput
 (states x 21 criteria over ~1,900-token states, one `/decide/shared` per state; target >= 150
 decisions/s, per-state max <= 1.5x the median) and argmax flips shared vs fresh (`/decide` per
-decision) on a sample of states (target <= 1%).
+decision) on a sample of states (target <= 1%). Then the dynamic batcher (issue 23): concurrent
+callers with distinct ~200- and ~2k-token states on the restarted server (batching off, the
+default) and on a third start with batching on (same caches), decisions/s on vs off (targets
+>= 8x at ~200 tokens, >= 1.8x at ~2k on an H200) with p50/p99 per request, and one caller alone
+(latency on vs off, target <= 1.05x).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import http.client
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchlib import spread
+from benchlib import concurrent_callers, p99, spread
 from workloads import make_workload
 
 from semif_serve.kernel_cache import SUBFOLDERS, SWITCHES
@@ -38,6 +43,9 @@ TARGETS = {
     "shared_decisions_per_s": 150,
     "per_state_max_over_median": 1.5,
     "argmax_flip_fraction": 0.01,
+    "batching_short_on_vs_off": 8.0,
+    "batching_long_on_vs_off": 1.8,
+    "batching_alone_on_vs_off": 1.05,
 }
 
 
@@ -148,6 +156,17 @@ def first_vs_warm(server: Server, row: dict, rounds: int) -> dict:
     }
 
 
+def alone(server: Server, row: dict, rounds: int) -> dict:
+    """One caller alone: the spread of its client seconds (after one unmeasured call)."""
+    server.decide(row)
+    samples = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        server.decide(row)
+        samples.append(time.perf_counter() - started)
+    return spread(samples)
+
+
 def shared_throughput(server: Server, groups: list[list[dict]], fresh_states: int) -> dict:
     """One /decide/shared per state; then /decide per decision on the first `fresh_states`
     states, for argmax flips between the two paths."""
@@ -179,6 +198,31 @@ def shared_throughput(server: Server, groups: list[list[dict]], fresh_states: in
     }
 
 
+def concurrency(server: Server, workloads: dict[str, list[dict]], callers: int) -> dict:
+    """Per workload: one unmeasured round (batched shapes compile and autotune there), then
+    decisions/s with `callers` concurrent callers and each request's client seconds."""
+    figures = {}
+    for name, rows in workloads.items():
+        concurrent_callers(server.decide, rows[:callers], callers)
+        rate, latencies = concurrent_callers(server.decide, rows, callers)
+        figures[name] = {
+            "decisions_per_s": rate,
+            "p50_s": statistics.median(latencies),
+            "p99_s": p99(latencies),
+            "requests": len(latencies),
+        }
+    return figures
+
+
+def batching_ratios(on: dict, off: dict) -> dict:
+    ratios = {
+        f"batching_{name}_on_vs_off": on[name]["decisions_per_s"] / off[name]["decisions_per_s"]
+        for name in ("short", "long")
+    }
+    ratios["batching_alone_on_vs_off"] = on["alone_s"]["p50"] / off["alone_s"]["p50"]
+    return ratios
+
+
 def serving_suite(
     snapshot: Path, work: Path, *, smoke: bool, sizes: dict, env: dict[str, str]
 ) -> dict:
@@ -188,6 +232,12 @@ def serving_suite(
     tokenizer = qwen35_tokenizer()
     [[decide_row]] = make_workload(tokenizer, 1, 1, sizes["decide_tokens"])
     groups = make_workload(tokenizer, sizes["states"], sizes["criteria"], sizes["state_tokens"])
+    callers = sizes["batch_callers"]
+    count = callers * sizes["batch_rounds"]
+    workloads = {
+        name: [group[0] for group in make_workload(tokenizer, count, 1, tokens, seed)]
+        for seed, (name, tokens) in enumerate(sizes["batch_tokens"].items(), start=1)
+    }
     server_env = {
         "SEMIF_MODEL": str(snapshot),
         "SEMIF_DEVICE": "cpu" if smoke else "cuda",
@@ -205,7 +255,26 @@ def serving_suite(
             )
             if start == "cold":
                 report["shared"] = shared_throughput(server, groups, sizes["fresh_states"])
+            else:
+                off = concurrency(server, workloads, callers)
+                off["alone_s"] = alone(server, decide_row, sizes["decide_rounds"])
         finally:
             server.stop()
+    batching_env = {**server_env, **sizes["batch_env"]}
+    server = Server(batching_env, work / "server-batching.log")
+    report["start_to_ready_s_batching"] = server.start()
+    try:
+        on = concurrency(server, workloads, callers)
+        on["alone_s"] = alone(server, decide_row, sizes["decide_rounds"])
+    finally:
+        server.stop()
+    report["batching"] = {
+        "env": sizes["batch_env"],
+        "callers": callers,
+        "tokens": sizes["batch_tokens"],
+        "on": on,
+        "off": off,
+        **batching_ratios(on, off),
+    }
     report["targets"] = TARGETS
     return report

@@ -54,7 +54,10 @@ def score_batch(
             by_prefix.setdefault(tuple(item.prefix_ids), []).append(index)
         else:
             plain.append(index)
-    if plain:
+    if len(plain) == 1:  # a batch of one is the unbatched call, exactly
+        [index] = plain
+        outcomes[index] = _alone(scoring_model, inputs[index], max_tokens, buckets, prefix_cache)
+    elif plain:
         results, width = _padded(scoring_model, [inputs[i] for i in plain], buckets)
         for index, result in zip(plain, results):
             outcomes[index] = Batched(result, len(plain), width)
@@ -108,12 +111,13 @@ def _padded(
     input_ids = torch.full((len(items), width), PAD_TOKEN_ID, dtype=torch.long)
     for row, item in enumerate(items):
         input_ids[row, : lengths[row]] = torch.tensor(item.prompt.ids, dtype=torch.long)
-    real = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
     last = torch.tensor(lengths) - 1
     with torch.inference_mode():
-        hidden = model.get_decoder()(
-            input_ids=input_ids.to(device), attention_mask=real.long().to(device), use_cache=False
-        ).last_hidden_state
+        # No attention mask: with right padding a causal model's real positions never see the
+        # padding after them (as direct.last_logits pads a bucket), and the unmasked causal
+        # kernel is the one a single row runs.
+        decoder = model.get_decoder()
+        hidden = decoder(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
         rows = hidden[torch.arange(len(items), device=device), last.to(device)]
         logits = model.get_output_embeddings()(rows).float()
         letters = letter_logits(logits, [item.prompt for item in items], device)
