@@ -1,7 +1,8 @@
 """Issue 23: the dynamic batcher through the real HTTP server, batching on vs SEMIF_MAX_BATCH_ROWS=1
-(one server after the other, the same requests, in one run):
+(both servers up, taking turns on the same requests, in one run):
 
-(a) 16 concurrent callers with distinct short states (prompts of ~100 tokens): decisions/s,
+(a) 16 concurrent callers with distinct short states (SmolLM2 prompts of 130-153 tokens, the
+    shortest this workload makes; the issue asks ~100): decisions/s,
     target >= 1.3x;
 (b) the same with ~600-token states: no loss, target >= 0.95x;
 (c) one caller alone: latency unchanged, target <= 1.05x.
@@ -12,6 +13,7 @@ per row against one row at a time, by rows and prompt length, which is what the 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -23,6 +25,7 @@ from workloads import make_workload
 
 CALLERS = 16
 REQUESTS_PER_CALLER = 6 if FULL else 1
+ROUNDS = 2  # each scenario's requests in this many parts, the servers taking turns
 TARGETS = {"short": 1.3, "long": 0.95}
 ALONE_TARGET = 1.05
 ON = {"SEMIF_MAX_BATCH_ROWS": "16", "SEMIF_MAX_BATCH_TOKENS": "1024"}
@@ -34,7 +37,7 @@ def rows_of(tokenizer, count: int, tokens: int, seed: int) -> list[dict]:
     return [group[0] for group in make_workload(tokenizer, count, 1, tokens, seed)]
 
 
-def serving(tmp_path, bench_model, extra: dict[str, str]):
+def serving(tmp_path, bench_model, extra: dict[str, str]) -> LiveServer:
     model = model_source(tmp_path, bench_model)
     env = {"SEMIF_DEVICE": "cpu", "SEMIF_MAX_TOKENS": "8192", "SEMIF_MODEL": model, **extra}
     return LiveServer(semif_serve_command(), env, tmp_path / "server.log")
@@ -102,22 +105,37 @@ def test_the_batched_forward_per_row_by_rows_and_length(bench_model):
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, bench_model):
-    """Every scenario on the batching server, then on the unbatched one (same requests)."""
+    """Both servers up at once, measured in turns (these shared cores drift by 5-15% over the
+    minutes one server's run takes): each scenario's requests in ROUNDS parts, on then off and
+    off then on by turns; one caller alone alternates request by request."""
     count = CALLERS * REQUESTS_PER_CALLER
     workloads = {
         "short": rows_of(bench_model.tokenizer, count, 40, seed=1),  # SmolLM2: 130-153 tokens
         "long": rows_of(bench_model.tokenizer, count, 600 if FULL else 80, seed=2),
     }
     alone = rows_of(bench_model.tokenizer, 8 if FULL else 2, 100 if FULL else 40, seed=3)
-    figures: dict[str, dict] = {}
-    for name, extra in (("on", ON), ("off", OFF)):
-        with serving(tmp_path_factory.mktemp(f"batching-{name}"), bench_model, extra) as server:
+    figures: dict[str, dict] = {"on": {"alone": []}, "off": {"alone": []}}
+    with (
+        serving(tmp_path_factory.mktemp("batching-on"), bench_model, ON) as on,
+        serving(tmp_path_factory.mktemp("batching-off"), bench_model, OFF) as off,
+    ):
+        servers = {"on": on, "off": off}
+        for server in servers.values():
             post(server, workloads["short"][0])  # warm
-            figures[name] = {
-                scenario: concurrent_callers(lambda row: post(server, row), rows, CALLERS)
-                for scenario, rows in workloads.items()
-            }
-            figures[name]["alone"] = [timed_post(server, row) for row in alone]
+        for scenario, rows in workloads.items():
+            seconds, latencies = {"on": 0.0, "off": 0.0}, {"on": [], "off": []}
+            for turn in range(ROUNDS):
+                part = rows[turn::ROUNDS]
+                for name in ("on", "off") if turn % 2 == 0 else ("off", "on"):
+                    send = functools.partial(post, servers[name])
+                    rate, taken = concurrent_callers(send, part, CALLERS)
+                    seconds[name] += len(part) / rate
+                    latencies[name] += taken
+            for name in servers:
+                figures[name][scenario] = (len(rows) / seconds[name], latencies[name])
+        for turn, row in enumerate(alone):
+            for name in ("on", "off") if turn % 2 == 0 else ("off", "on"):
+                figures[name]["alone"].append(timed_post(servers[name], row))
     return figures
 
 
