@@ -21,7 +21,7 @@ import pytest
 from benchlib import FULL, concurrent_callers, model_source, p99, report, spread
 from fakes import AUTH
 from live_server import LiveServer, semif_serve_command
-from workloads import make_workload
+from workloads import distinct_states
 
 CALLERS = 16
 REQUESTS_PER_CALLER = 6 if FULL else 1
@@ -30,11 +30,6 @@ TARGETS = {"short": 1.3, "long": 0.95}
 ALONE_TARGET = 1.05
 ON = {"SEMIF_MAX_BATCH_ROWS": "16", "SEMIF_MAX_BATCH_TOKENS": "1024"}
 OFF = {"SEMIF_MAX_BATCH_ROWS": "1"}
-
-
-def rows_of(tokenizer, count: int, tokens: int, seed: int) -> list[dict]:
-    """`count` rows, each over its own state of about `tokens` prompt tokens."""
-    return [group[0] for group in make_workload(tokenizer, count, 1, tokens, seed)]
 
 
 def serving(tmp_path, bench_model, extra: dict[str, str]) -> LiveServer:
@@ -60,15 +55,11 @@ FORWARD_ROWS = (4, 8, 16) if FULL else (2,)
 
 
 def score_in_batches(model, items: list, size: int) -> None:
-    """`items` in batches of `size` (1: one at a time through the direct scorer)."""
+    """`items` in batches of `size` (a batch of one runs exactly the direct scorer's call)."""
     from semif_serve.scoring.batched import score_batch
-    from semif_serve.scoring.direct import score as score_direct
 
     for start in range(0, len(items), size):
-        if size == 1:
-            score_direct(model, items[start], max_tokens=8192, buckets=None)
-        else:
-            score_batch(model, items[start : start + size], max_tokens=8192, buckets=None)
+        score_batch(model, items[start : start + size], max_tokens=8192, buckets=None)
 
 
 def test_the_batched_forward_per_row_by_rows_and_length(bench_model):
@@ -78,7 +69,7 @@ def test_the_batched_forward_per_row_by_rows_and_length(bench_model):
 
     figures = {}
     for tokens in FORWARD_LENGTHS:
-        rows = rows_of(bench_model.tokenizer, 16, tokens, seed=1)
+        rows = distinct_states(bench_model.tokenizer, 16, tokens, seed=1)
         items = [direct_input(bench_model.tokenizer, row, 8192, with_prefix=False) for row in rows]
         best = dict.fromkeys((1, *FORWARD_ROWS), float("inf"))
         for _ in range(3):
@@ -110,10 +101,11 @@ def measured(tmp_path_factory, bench_model):
     off then on by turns; one caller alone alternates request by request."""
     count = CALLERS * REQUESTS_PER_CALLER
     workloads = {
-        "short": rows_of(bench_model.tokenizer, count, 40, seed=1),  # SmolLM2: 130-153 tokens
-        "long": rows_of(bench_model.tokenizer, count, 600 if FULL else 80, seed=2),
+        # SmolLM2: 130-153 tokens, the shortest this workload makes
+        "short": distinct_states(bench_model.tokenizer, count, 40, seed=1),
+        "long": distinct_states(bench_model.tokenizer, count, 600 if FULL else 80, seed=2),
     }
-    alone = rows_of(bench_model.tokenizer, 8 if FULL else 2, 100 if FULL else 40, seed=3)
+    alone = distinct_states(bench_model.tokenizer, 8 if FULL else 2, 100 if FULL else 40, seed=3)
     figures: dict[str, dict] = {"on": {"alone": []}, "off": {"alone": []}}
     with (
         serving(tmp_path_factory.mktemp("batching-on"), bench_model, ON) as on,

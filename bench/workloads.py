@@ -75,3 +75,9 @@ def make_workload(
         rng.shuffle(rows)
         groups.append(rows)
     return groups
+
+
+def distinct_states(tokenizer, count: int, tokens: int, seed: int) -> list[dict]:
+    """`count` rows, each over its own state of about `tokens` prompt tokens (callers that share
+    nothing: the batcher's workload)."""
+    return [group[0] for group in make_workload(tokenizer, count, 1, tokens, seed)]

@@ -18,6 +18,7 @@ default) and on a third start with batching on (same caches), decisions/s on vs 
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -28,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import concurrent_callers, p99, spread
-from workloads import make_workload
+from benchlib import concurrent_callers, p99, spread, timed
+from workloads import distinct_states, make_workload
 
 from semif_serve.kernel_cache import SUBFOLDERS, SWITCHES
 
@@ -156,17 +157,6 @@ def first_vs_warm(server: Server, row: dict, rounds: int) -> dict:
     }
 
 
-def alone(server: Server, row: dict, rounds: int) -> dict:
-    """One caller alone: the spread of its client seconds (after one unmeasured call)."""
-    server.decide(row)
-    samples = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        server.decide(row)
-        samples.append(time.perf_counter() - started)
-    return spread(samples)
-
-
 def shared_throughput(server: Server, groups: list[list[dict]], fresh_states: int) -> dict:
     """One /decide/shared per state; then /decide per decision on the first `fresh_states`
     states, for argmax flips between the two paths."""
@@ -198,13 +188,19 @@ def shared_throughput(server: Server, groups: list[list[dict]], fresh_states: in
     }
 
 
+def alone(server: Server, row: dict, rounds: int) -> dict:
+    """One caller alone: its client seconds (benchlib.timed: after one warm-up call)."""
+    return timed(functools.partial(server.decide, row), rounds)
+
+
 def concurrency(server: Server, workloads: dict[str, list[dict]], callers: int) -> dict:
-    """Per workload: one unmeasured round (batched shapes compile and autotune there), then
-    decisions/s with `callers` concurrent callers and each request's client seconds."""
+    """Per workload: a warm-up round on its first `callers` rows (batched shapes compile and
+    autotune there; rows of their own, so no measured state is in the prefix cache yet), then
+    decisions/s with `callers` concurrent callers over the rest, and each request's seconds."""
     figures = {}
     for name, rows in workloads.items():
         concurrent_callers(server.decide, rows[:callers], callers)
-        rate, latencies = concurrent_callers(server.decide, rows, callers)
+        rate, latencies = concurrent_callers(server.decide, rows[callers:], callers)
         figures[name] = {
             "decisions_per_s": rate,
             "p50_s": statistics.median(latencies),
@@ -233,9 +229,9 @@ def serving_suite(
     [[decide_row]] = make_workload(tokenizer, 1, 1, sizes["decide_tokens"])
     groups = make_workload(tokenizer, sizes["states"], sizes["criteria"], sizes["state_tokens"])
     callers = sizes["batch_callers"]
-    count = callers * sizes["batch_rounds"]
+    count = callers * (1 + sizes["batch_rounds"])  # the first `callers` warm up
     workloads = {
-        name: [group[0] for group in make_workload(tokenizer, count, 1, tokens, seed)]
+        name: distinct_states(tokenizer, count, tokens, seed)
         for seed, (name, tokens) in enumerate(sizes["batch_tokens"].items(), start=1)
     }
     server_env = {
