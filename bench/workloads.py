@@ -39,10 +39,10 @@ CRITERIA = [
 YES_NO = [{"id": "yes", "description": "Yes"}, {"id": "no", "description": "No"}]
 
 
-def make_state(rng: random.Random, words: int) -> dict:
+def make_state(rng: random.Random, words: int, note_words: tuple[int, int] = (8, 20)) -> dict:
     notes = []
     while sum(len(note.split()) for note in notes) < words:
-        notes.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))) + ".")
+        notes.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*note_words))) + ".")
     return {"record": f"R-{rng.randint(10000, 99999)}", "notes": notes}
 
 
@@ -81,3 +81,18 @@ def distinct_states(tokenizer, count: int, tokens: int, seed: int) -> list[dict]
     """`count` rows, each over its own state of about `tokens` prompt tokens (callers that share
     nothing: the batcher's workload)."""
     return [group[0] for group in make_workload(tokenizer, count, 1, tokens, seed)]
+
+
+def short_states(count: int, seed: int) -> list[dict]:
+    """`count` rows, each over its own state of one note of 2-6 words: the shortest decisions a
+    caller sends (SmolLM2 prompts of about 100-115 tokens; the bare prompt is ~95)."""
+    rng = random.Random(seed)
+    return [
+        {
+            "id": f"short{index}",
+            "state": make_state(rng, 2, note_words=(2, 6)),
+            "question": CRITERIA[index % len(CRITERIA)],
+            "options": YES_NO,
+        }
+        for index in range(count)
+    ]

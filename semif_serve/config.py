@@ -27,10 +27,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 PREFIX_CACHE_GIB = {"cpu": 1.0, "cuda": 8.0}
 MAX_PREFIX_CACHE_GIB = 1024.0
 # The dynamic batcher's defaults (rows, padded tokens), by measurement (docs/performance.md): on 2
-# CPU cores a batched forward gains 1.15-1.23x per row at 4-8 rows below ~320 tokens and loses
-# beyond ~2-4k padded tokens, so the CPU batches up to 1,024 padded tokens (16 callers of ~140
-# tokens: 1.27x decisions/s; ~600-token prompts run one per forward, as unbatched: 1.00x). CUDA
-# stays unbatched until a GPU run measures it (bench/gpu/run.sh).
+# CPU cores a batched forward gains up to ~1.27x per row at ~110 tokens and loses beyond ~1.5-4k
+# padded tokens, so the CPU batches up to 1,024 padded tokens (16 callers of ~110 tokens: 1.43x
+# decisions/s; ~600-token prompts run one per forward, as unbatched: 1.04x). CUDA stays
+# unbatched until a GPU run measures it (bench/gpu/run.sh).
 BATCH_DEFAULTS = {"cpu": (16, 1024), "cuda": (1, 16384)}
 # Upper bounds of the integer limits: generous but finite, so a mistaken value (400 digits) is
 # refused at startup, naming the variable, instead of overflowing arithmetic downstream.
