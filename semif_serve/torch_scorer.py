@@ -52,13 +52,10 @@ class TorchScorer:
         return self.scoring_model.info.identity()
 
     def prepare(self, row: Row) -> DirectInput:
-        """Encode one row for `score`, every limit checked (needs no lock: the tokenizer only)."""
-        return direct_input(
-            self.scoring_model.tokenizer,
-            row,
-            self.max_tokens,
-            with_prefix=self.prefix_cache is not None,
-        )
+        """Encode one row for `score`, every limit checked (needs no lock: the tokenizer only),
+        with its state prefix located: a batch shares one prefill among requests over the same
+        state, cache or not (`scoring.batched`)."""
+        return direct_input(self.scoring_model.tokenizer, row, self.max_tokens, with_prefix=True)
 
     def prepare_shared(self, rows: list[Row]) -> SharedInput:
         """Encode rows over one state for `score_shared`, every limit checked (no lock)."""

@@ -1,7 +1,8 @@
 """Issue 23, exactness: requests scored in one batch get exactly what they get alone (fp32 on the
 CPU, probabilities within 1e-5, as the state-prefix cache's tests measure it): the hybrid tiny Qwen3.5 (linear-attention layers, right padding) and
-SmolLM2; mixed prompt lengths and option counts, shared calls and rotations as units, and the
-state-prefix cache on with hits and misses in one batch."""
+SmolLM2; mixed prompt lengths and option counts, shared calls and rotations as units, the
+state-prefix cache on with hits and misses in one batch, and rows over one state sharing one
+prefill with the cache off."""
 
 from __future__ import annotations
 
@@ -115,6 +116,40 @@ def test_with_the_prefix_cache_hits_and_misses_in_one_batch_score_as_alone(reque
     assert [outcome.outcome["cache_hit"] for outcome in batched] == [True, True, False, False]
     assert cache.stats()["hits"] == hits_before + 1  # the two rows over one state: one lookup
     assert [outcome.rows for outcome in batched] == [2, 2, 1, 1]
+    for row, outcome in zip(rows, batched):
+        assert close(outcome.outcome, score(scoring_model, row, max_tokens=MAX_TOKENS))
+
+
+@pytest.mark.parametrize("model_name", ["tiny_qwen", "smollm2"])
+def test_without_the_cache_rows_over_one_state_share_one_prefill_and_score_as_alone(
+    request, model_name, monkeypatch
+):
+    """Issue 23's "same state, one prefill", with no cache: the two rows over one state run as
+    one shared forward (one prefill); a row alone over its state runs in the padded forward."""
+    from semif_serve.scoring import prefill
+
+    scoring_model = request.getfixturevalue(model_name)
+    one_state = state(3, 10)
+    rows = [
+        parse_row(make_rows(2, [2, 4], state=one_state, prefix="same")[0]),
+        parse_row(make_rows(1, 3, state=state(4, 2), prefix="other")[0]),
+        parse_row(make_rows(2, [2, 4], state=one_state, prefix="same")[1]),
+        parse_row(make_rows(1, 2, state=state(5, 7), prefix="third")[0]),
+    ]
+    inputs = [
+        direct_input(scoring_model.tokenizer, row, MAX_TOKENS, with_prefix=True) for row in rows
+    ]
+    assert inputs[0].prefix_ids == inputs[2].prefix_ids != inputs[1].prefix_ids
+    prefills = []
+    real_prefill = prefill.prefill
+    monkeypatch.setattr(
+        prefill, "prefill", lambda *args: prefills.append(args[2]) or real_prefill(*args)
+    )
+    batched = score_batch(scoring_model, inputs, max_tokens=MAX_TOKENS)
+    assert prefills == [inputs[0].prefix_ids]
+    assert [outcome.rows for outcome in batched] == [2, 2, 2, 2]
+    assert [outcome.outcome["cache_hit"] for outcome in batched] == [False] * 4
+    monkeypatch.undo()
     for row, outcome in zip(rows, batched):
         assert close(outcome.outcome, score(scoring_model, row, max_tokens=MAX_TOKENS))
 

@@ -1,5 +1,5 @@
 """Encoded inputs on a real model (the tiny Qwen3.5): TorchScorer's encoding stage gives what
-plain rows give, an input checked against another limit is encoded again (issue 22, finding 2),
+plain rows give (and locates the state prefix, cache or not), an input checked against another limit is encoded again (issue 22, finding 2),
 and a retuned engine keeps its stored prefixes and checks its new limit (finding 7)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def test_prepared_inputs_score_as_plain_rows(tiny_qwen):
     one = parse_row(row(options=("Yes", "No", "Maybe")))
     prepared = scorer.prepare(one)
     assert isinstance(prepared, DirectInput)
+    assert prepared.prefix_ids  # located with the cache off too: a batch shares its prefill
     assert scorer.score(prepared)["option_logits"] == scorer.score(one)["option_logits"]
     rows = [parse_row(row(id=f"r{k}", question=f"Is it {k}?")) for k in range(3)]
     shared = scorer.prepare_shared(rows)

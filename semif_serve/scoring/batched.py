@@ -5,9 +5,10 @@ The dynamic batcher (`runtime/batcher.py`) hands a model's queued requests here 
   cache) go in ONE right-padded forward: rows × their longest prompt, each row read at its own
   last real token. Right padding is exact for attention (causal) and for linear-attention
   layers (they run left to right), so a row's real tokens never see another row or padding;
-- direct rows over a state prefix the cache takes are grouped by that prefix: each group is one
-  shared forward (one prefill, or a stored one resumed, then every row's suffix), as a shared
-  call over those rows would run; requests over the same state share its prefill;
+- direct rows over one state prefix are grouped by it when the cache takes that prefix or
+  another row in the batch has it too: each group is one shared forward (one prefill, or a
+  stored one resumed, then every row's suffix), as a shared call over those rows would run, so
+  requests over the same state share its prefill, cache or not;
 - a `/decide/shared` call (a `SharedInput`) runs as a unit, never split.
 Each input gets a `Batched`: its outcome (direct: a result dict; shared: (results, timing); or
 the `RowError` its own row raised: any other failure is the whole call's) and the rows and
@@ -50,10 +51,14 @@ def score_batch(
     for index, item in enumerate(inputs):
         if isinstance(item, SharedInput) or item.max_tokens != max_tokens:
             outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
-        elif _cached(item, prefix_cache):
-            by_prefix.setdefault(tuple(item.prefix_ids), []).append(index)
-        else:
+        elif item.prefix_ids is None:
             plain.append(index)
+        else:
+            by_prefix.setdefault(tuple(item.prefix_ids), []).append(index)
+    for prefix, indices in list(by_prefix.items()):
+        if len(indices) == 1 and not _cached(inputs[indices[0]], prefix_cache):
+            plain += by_prefix.pop(prefix)  # alone over its state, and not worth a lookup
+    plain.sort()
     if len(plain) == 1:  # a batch of one is the unbatched call, exactly
         [index] = plain
         outcomes[index] = _alone(scoring_model, inputs[index], max_tokens, buckets, prefix_cache)
@@ -63,7 +68,8 @@ def score_batch(
             outcomes[index] = Batched(result, len(plain), width)
     for prefix, indices in by_prefix.items():
         group = [inputs[i] for i in indices]
-        results = _over_prefix(scoring_model, list(prefix), group, buckets, prefix_cache)
+        cache = prefix_cache if _cached(group[0], prefix_cache) else None
+        results = _over_prefix(scoring_model, list(prefix), group, buckets, cache)
         width = max(len(item.prompt.ids) for item in group)
         for index, result in zip(indices, results):
             outcomes[index] = Batched(result, len(group), width)
@@ -136,7 +142,8 @@ def _over_prefix(
     buckets: Buckets | None | str,
     prefix_cache: ModelPrefixCache | None,
 ) -> list[dict[str, Any]]:
-    """Direct rows over one cached state prefix: one shared forward (prefill or resume once)."""
+    """Direct rows over one state prefix: one shared forward (prefill, or resume a stored one,
+    once)."""
     started = perf_counter()
     model = scoring_model.model
     prompts = [item.prompt for item in items]
