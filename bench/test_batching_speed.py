@@ -7,7 +7,8 @@
 (c) one caller alone: latency unchanged, target <= 1.05x.
 p50/p99 per request are reported. Beside them, in process (no HTTP): the batched forward's cost
 per row against one row at a time, by rows and prompt length, which is what the budget
-(SEMIF_MAX_BATCH_TOKENS) is chosen by. `make test` runs each once on a tiny model (no targets).
+(SEMIF_MAX_BATCH_TOKENS) is chosen by; and rows over one state in one batch sharing one prefill
+against the same rows padded. `make test` runs each once on a tiny model (no targets).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from benchlib import FULL, concurrent_callers, model_source, p99, report, spread
 from fakes import AUTH
 from live_server import LiveServer, semif_serve_command
-from workloads import distinct_states, short_states
+from workloads import distinct_states, make_workload, short_states
 
 CALLERS = 16
 REQUESTS_PER_CALLER = 6 if FULL else 1
@@ -96,6 +97,50 @@ def test_the_batched_forward_per_row_by_rows_and_length(bench_model):
         by_length=figures,
     )
     assert all(value > 0 for entry in figures.values() for value in entry.values())
+
+
+SAME_STATE_LENGTHS = (40, 600) if FULL else (40,)  # make_workload's state size
+SAME_STATE_ROWS = 8
+
+
+def test_rows_over_one_state_share_one_prefill(bench_model):
+    """8 rows over one state in one batch run as one shared forward (one prefill, then their
+    suffixes), against the same rows as plain padded rows, each with its own prefill (as a
+    batch ran them before); best of 3 interleaved rounds. No target: issue 23's item 3."""
+    from semif_serve.scoring.batched import score_batch
+    from semif_serve.scoring.inputs import direct_input
+
+    figures = {}
+    for tokens in SAME_STATE_LENGTHS:
+        tokenizer = bench_model.tokenizer
+        [rows] = make_workload(tokenizer, 1, SAME_STATE_ROWS, tokens, seed=3)
+        ways = {
+            name: [direct_input(tokenizer, row, 8192, with_prefix=found) for row in rows]
+            for name, found in (("padded", False), ("shared", True))
+        }
+        best = dict.fromkeys(ways, float("inf"))
+        for _ in range(3):
+            for name, items in ways.items():
+                started = time.perf_counter()
+                score_batch(bench_model, items, max_tokens=8192, buckets=None)
+                best[name] = min(best[name], time.perf_counter() - started)
+        shared = ways["shared"]
+        lengths = [len(item.prompt.ids) for item in shared]
+        figures[f"tokens_{min(lengths)}_{max(lengths)}"] = {
+            "prefix_tokens": len(shared[0].prefix_ids),
+            "padded_s": best["padded"],
+            "shared_s": best["shared"],
+            "gain": best["padded"] / best["shared"],
+        }
+    first = next(iter(figures.values()))
+    report(
+        "batching_same_state",
+        f"{SAME_STATE_ROWS} rows over one state in one batch, one prefill (in process)",
+        "the same rows padded, a prefill each",
+        first["gain"],
+        by_length=figures,
+    )
+    assert all(entry["prefix_tokens"] > 0 and entry["gain"] > 0 for entry in figures.values())
 
 
 @pytest.fixture(scope="module")
