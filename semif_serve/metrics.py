@@ -65,21 +65,21 @@ class Metrics:
         )
         self.batch_rows = Histogram(
             "semif_batch_rows",
-            "Rows per batched engine call (SEMIF_MAX_BATCH_ROWS > 1)",
+            "Rows per batch taken (SEMIF_MAX_BATCH_ROWS > 1)",
             ["model"],
             buckets=BATCH_ROW_BUCKETS,
             registry=self.registry,
         )
         self.batch_tokens = Histogram(
             "semif_batch_tokens",
-            "Padded tokens (rows x longest prompt) per batched engine call",
+            "Padded tokens per batch taken, as SEMIF_MAX_BATCH_TOKENS counts them (rows x longest)",
             ["model"],
             buckets=BATCH_TOKEN_BUCKETS,
             registry=self.registry,
         )
         self.batch_padding = Counter(
             "semif_batch_padding_tokens",
-            "Padding tokens in batched engine calls (padded tokens less the requests' own)",
+            "Padding tokens in batches taken, as the budget counts them (less the requests' own)",
             ["model"],
             registry=self.registry,
         )

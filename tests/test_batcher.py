@@ -292,6 +292,31 @@ def test_a_held_lease_and_the_batcher_share_the_model_slots():
     assert waiting.result().outcome["id"] == "b"
 
 
+def test_no_request_is_batched_past_an_older_request_that_leases_the_model():
+    """A request that found its model unloaded leases it on its own, with no job: the batcher
+    takes no job that arrived after it (d's batch leaves e, which waits its turn)."""
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer, max_batch_rows=2)
+    first = busy(rt, scorer)
+    requests = []
+    for count, name in enumerate("bcd", start=1):
+        requests.append(Submitted(rt, name))
+        wait_until(lambda count=count: len(rt.entry("a")._queue) == count)  # in this order
+    holder = Held(rt, "a")
+    wait_until(lambda: len(rt.entry("a")._queue) == 4)
+    last = Submitted(rt, "e")
+    jobs_queued(rt, 4)
+    scorer.release.set()
+    first.result()
+    assert holder.admitted.wait(WAIT_S)
+    assert scorer.batches == [["first"], ["b", "c"], ["d"]]
+    assert not last.done.is_set()
+    holder.finish()
+    assert [request.result().outcome["id"] for request in requests] == ["b", "c", "d"]
+    assert last.result().outcome["id"] == "e"
+    assert scorer.batches == [["first"], ["b", "c"], ["d"], ["e"]]
+
+
 def test_metrics_count_each_batch_and_the_model_list_shows_the_limits():
     scorer = BatchScorer()
     rt = batching_runtime(scorer)
@@ -333,10 +358,13 @@ def test_a_taken_job_cannot_be_withdrawn_and_a_queued_one_can():
     jobs = [Job(item=k, cost=Cost(1, 1), engine=None, prepare=lambda engine: None) for k in "ab"]
     for job in jobs:
         batcher.submit(job)
-    assert batcher.take(None) == [jobs[0]] and jobs[0].taken
+    assert batcher.take(lambda: None) == [jobs[0]] and jobs[0].taken
     assert not batcher.withdraw(jobs[0])
     assert batcher.withdraw(jobs[1]) and batcher.queued == 0
-    assert batcher.take(None) == []
+    assert batcher.take(lambda: None) == []
+    assert observed == []  # taking is not recording: the leader records what it runs
+    batcher.record([jobs[0]])
+    batcher.record([])
     assert observed == [(1, 1, 1)]  # only a batch that took something is observed
 
 
@@ -457,11 +485,22 @@ def test_the_service_queues_what_the_scorer_encoded_with_its_cost_and_caller():
     assert scorer.prepared == ["first", "b", "c", "d"]  # each encoded once, before it queued
 
 
-def test_a_batched_request_encoded_by_a_replaced_engine_is_encoded_again():
+class RefusingSecond(SizedScorer):
+    """A replaced model's scorer that refuses the row named "second" (too long for it)."""
+
+    def prepare(self, row):
+        if row.id == "second":
+            raise PromptRejected("max_tokens: the prompt is too long for the new model")
+        return super().prepare(row)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_batched_request_encoded_by_a_replaced_engine_is_encoded_again(refused):
+    """Encoded again by the new model: scored by it, or refused by it as the caller's 422."""
     built = []
 
     def factory(model_spec):
-        built.append(SizedScorer())
+        built.append(RefusingSecond() if built and refused else SizedScorer())
         return Engine(built[-1])
 
     config = settings(**BATCHING)
@@ -489,9 +528,15 @@ def test_a_batched_request_encoded_by_a_replaced_engine_is_encoded_again():
     for thread in (first, manager, second):
         thread.join(WAIT_S)
     [_, new] = built
-    assert replies["second"].status_code == 200, replies["second"].text
-    assert old.prepared == ["first", "second"] and new.prepared == ["second"]
-    assert new.batches == [["second"]]
+    assert old.prepared == ["first", "second"]
+    if refused:
+        assert replies["second"].status_code == 422, replies["second"].text
+        message = replies["second"].json["error"]["message"]
+        assert message == "max_tokens: the prompt is too long for the new model"
+        assert new.batches == []
+    else:
+        assert replies["second"].status_code == 200, replies["second"].text
+        assert new.prepared == ["second"] and new.batches == [["second"]]
 
 
 # -- every way a batch can end (the batching grid) ----------------------------------------------
@@ -644,6 +689,49 @@ def test_each_model_batches_its_own_requests_and_a_request_keeps_its_timeout():
     busy_b.join(WAIT_S)
 
 
+def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
+    """SEMIF_BATCH_WAIT_MS > 0: the leader waits for company; a reconfigure queues; a request
+    that arrives after it wakes the leader, which stops waiting and leaves it for later."""
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer, max_batch_rows=4, batch_wait_ms=WAIT_S * 1000)
+    lone = Submitted(rt, "lone")
+    wait_until(lambda: rt.entry("a")._active == 1)  # it leads, waiting for company
+    manager = threading.Thread(
+        target=rt.register, args=("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60})
+    )
+    manager.start()
+    wait_until(lambda: rt.entry("a").unbatched_arrival() is not None)
+    after = Submitted(rt, "after")
+    assert lone.result().outcome["id"] == "lone"
+    assert after.result().outcome["id"] == "after"
+    manager.join(WAIT_S)
+    assert scorer.batches == [["lone"], ["after"]]
+
+
+def test_a_batch_whose_recording_fails_still_ends_every_request_in_it():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    requests = [Submitted(rt, "b"), Submitted(rt, "c")]
+    jobs_queued(rt, 2)
+    batcher = rt._batchers["a"]
+
+    def broken(*figures):
+        batcher.observe = lambda *figures: None  # once
+        raise RuntimeError("a broken metrics hook")
+
+    batcher.observe = broken
+    scorer.release.set()
+    first.result()
+    outcomes = [request.result() for request in requests]  # bounded: nobody waits forever
+    assert isinstance(requests[0].error, RuntimeError)  # the leader, b, raised it
+    assert isinstance(outcomes[1], ScoringFailed)
+    assert str(outcomes[1]) == "the batch stopped before this request"
+    assert scorer.batches == [["first"]]
+    assert Submitted(rt, "d").result().outcome["id"] == "d"  # the slot was released
+    assert scorer.batches == [["first"], ["d"]]
+
+
 class FrozenClock:
     """The batcher's clock, moved only by the test (its condition still waits in real time)."""
 
@@ -658,7 +746,7 @@ def take_in_thread(batcher, before=None):
     taken, done = [], threading.Event()
 
     def run():
-        taken.extend(batcher.take(before))
+        taken.extend(batcher.take(lambda: before))
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
@@ -666,16 +754,18 @@ def take_in_thread(batcher, before=None):
 
 
 @pytest.mark.parametrize(
-    ("wait_s", "queued_rows", "returns_at_once"),
+    ("wait_s", "queued_rows", "waited_s", "returns_at_once"),
     [
-        (5.0, [1, 1], True),  # full (2 of 2 rows): no wait for company
-        (5.0, [1, 1, 1], True),  # one left out: full
-        (5.0, [1], False),  # room for more: waits while its clock does not move
-        (0.0, [1], True),  # no wait at all
+        (5.0, [1, 1], 0.0, True),  # full (2 of 2 rows): no wait for company
+        (5.0, [1, 1, 1], 0.0, True),  # one left out: full
+        (5.0, [1], 0.0, False),  # room for more: waits while its clock does not move
+        (5.0, [1], 4.9, False),  # its oldest job has 0.1 s of its wait left
+        (5.0, [1], 5.0, True),  # its oldest job waited its time in the queue already
+        (0.0, [1], 0.0, True),  # no wait at all
     ],
 )
 def test_a_batch_waits_only_while_it_is_not_full_and_its_wait_lasts(
-    monkeypatch, wait_s, queued_rows, returns_at_once
+    monkeypatch, wait_s, queued_rows, waited_s, returns_at_once
 ):
     from semif_serve.runtime import batcher as batcher_module
 
@@ -684,13 +774,14 @@ def test_a_batch_waits_only_while_it_is_not_full_and_its_wait_lasts(
     batcher = Batcher(2, 1000, wait_s, lambda *batch: None)
     for index, rows in enumerate(queued_rows):
         batcher.submit(Job(item=index, cost=Cost(rows, 1), engine=None, prepare=lambda e: None))
+    clock.now += waited_s
     taken, done = take_in_thread(batcher)
     if returns_at_once:
         assert done.wait(WAIT_S)
         assert [job.item for job in taken] == list(range(min(2, len(queued_rows))))
         return
     assert not done.wait(0.2)  # bounded: still waiting for company
-    clock.now += wait_s  # its wait is over
+    clock.now += wait_s - waited_s  # its wait is over
     batcher.submit(Job(item="nudge", cost=Cost(5, 1), engine=None, prepare=lambda e: None))
     assert done.wait(WAIT_S)
     assert [job.item for job in taken] == [0]

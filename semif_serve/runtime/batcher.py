@@ -3,12 +3,13 @@
 A request submits its job (its encoded input and cost), then asks the model for a slot as every
 request does (`ModelEntry.acquire`: FIFO, managers, timeouts, a caller who leaves). Whoever holds
 a slot leads: it takes the oldest jobs nobody has taken (`batching.select`, within
-SEMIF_MAX_BATCH_ROWS and SEMIF_MAX_BATCH_TOKENS; never one that arrived after a manager queued,
-which nothing barges past) and runs them as one engine call, then repeats until its own job has
-been taken. A request whose job another leader took leaves the queue at once and waits for its
-outcome. A job nobody took when its caller's queue timeout passed, or its caller left, leaves
-unscored (503 `server_busy`, 499); once taken, it is scored, unless its caller has left by the
-time the batch runs (dropped then, 499).
+SEMIF_MAX_BATCH_ROWS and SEMIF_MAX_BATCH_TOKENS; never one that arrived after a queued waiter
+whose work it cannot take, a manager or a request leasing the model on its own, which nothing
+barges past) and runs them as one engine call, then repeats until its own job has been taken.
+A request whose job another leader took leaves the queue at once and waits for its outcome.
+A job nobody took when its caller's queue timeout passed, or its caller left, leaves unscored
+(503 `server_busy`, 499); once taken, it is scored, unless its caller has left by the time the
+batch runs (dropped then, 499).
 
 A batch that runs out of memory is split in halves and each half run again, so that only a
 request that cannot fit alone gets 503 `out_of_memory`.
@@ -37,7 +38,7 @@ class Job:
     engine: Any  # whose tokenizer encoded `item`
     prepare: Callable[[Any], Any]  # encodes the request for another engine (a reloaded model)
     gone: Callable[[], bool] | None = None
-    submitted: float = field(default_factory=time.monotonic)
+    submitted: float = field(default_factory=lambda: time.monotonic())
     taken: bool = False
     outcome: Any = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -78,30 +79,38 @@ class Batcher:
             self._queue.remove(job)
             return True
 
-    def take(self, before: float | None) -> list[Job]:
-        """The next batch: the oldest jobs submitted no later than `before` (a queued manager's
-        arrival; None: no manager) within the limits, after waiting up to `wait_s` for more
-        while the batch is not full."""
+    def take(self, cutoff: Callable[[], float | None]) -> list[Job]:
+        """The next batch: the oldest jobs submitted no later than `cutoff()` (when the first
+        queued waiter it cannot serve arrived; None: none is), asked again after every wait,
+        within the limits. While it is not full and no such waiter waits, it waits for more
+        until its oldest job has waited `wait_s` (time in the queue counts, as Triton's queue
+        delay does)."""
         with self._cond:
-            deadline = time.monotonic() + self.wait_s
             while True:
+                before = cutoff()
                 eligible = [job for job in self._queue if before is None or job.submitted <= before]
                 count = select([job.cost for job in eligible], self.max_rows, self.max_tokens)
                 rows = sum(job.cost.rows for job in eligible[:count])
                 full = count < len(eligible) or rows >= self.max_rows
-                remaining = deadline - time.monotonic()
-                if full or remaining <= 0 or not eligible:
+                if full or not eligible or before is not None:
+                    break
+                remaining = eligible[0].submitted + self.wait_s - time.monotonic()
+                if remaining <= 0:
                     break
                 self._cond.wait(remaining)
             batch = eligible[:count]
             for job in batch:
                 job.taken = True
                 self._queue.remove(job)
+        return batch
+
+    def record(self, batch: list[Job]) -> None:
+        """Tell `observe` of a batch taken: its rows, padded tokens and real tokens, as the
+        limits count them (a shared unit or a group over one state runs as its own forward)."""
         costs = [job.cost for job in batch]
         if costs:
             real = sum(cost.rows * cost.length for cost in costs)
             self.observe(sum(cost.rows for cost in costs), padded_tokens(costs), real)
-        return batch
 
     @property
     def queued(self) -> int:
@@ -174,12 +183,17 @@ def serve(
 
 def _lead(entry: Any, batcher: Batcher, job: Job, engine: Any) -> None:
     """Holding a slot: run batches of the oldest jobs until `job` has been taken, then release."""
+
+    def cutoff() -> float | None:
+        arrival = entry.unbatched_arrival()  # its own job came before any such waiter
+        return None if arrival is None else max(arrival, job.submitted)
+
     try:
         while not job.taken:
-            arrival = entry.manager_arrival()  # its own job came before any queued manager
-            batch = batcher.take(None if arrival is None else max(arrival, job.submitted))
-            entry.wake()  # the requests whose jobs it took leave the queue now
+            batch = batcher.take(cutoff)
             try:
+                entry.wake()  # the requests whose jobs it took leave the queue now
+                batcher.record(batch)
                 run_batch(engine, batch)
             finally:  # whatever happened, no request waits for a job left unfinished
                 for taken in batch:

@@ -54,6 +54,7 @@ class WaiterGone(Exception):
 @dataclass(eq=False)
 class _Waiter:
     is_request: bool  # else a manager
+    batched: bool = False  # a request whose work the batcher may take (it queued a job)
     enqueued: float = field(default_factory=lambda: time.monotonic())  # the clock tests move
 
 
@@ -121,7 +122,7 @@ class ModelEntry:
         asked while the request waits; True makes it leave the queue (`WaiterGone`). `served`
         (the batcher's): True once another request took this one's work; it then leaves the
         queue without a slot, and None is returned."""
-        waiter = _Waiter(is_request=True)
+        waiter = _Waiter(is_request=True, batched=served is not None)
         with self._cond:
             self._queue.append(waiter)
             if self._admit(waiter, timeout, self._request_may_enter, gone, served):
@@ -222,11 +223,12 @@ class ModelEntry:
                 self._managed = False
                 self._cond.notify_all()
 
-    def manager_arrival(self) -> float | None:
-        """When the first manager still queued arrived (None: none is): the batcher takes no
-        request that arrived after it, since nothing barges past a manager."""
+    def unbatched_arrival(self) -> float | None:
+        """When the first queued waiter whose work the batcher cannot take arrived: a manager,
+        or a request leasing the model on its own (it found the model unloaded). None: none is.
+        The batcher takes no job that arrived after it, so nothing barges past it."""
         with self._cond:
-            return min((w.enqueued for w in self._queue if not w.is_request), default=None)
+            return min((w.enqueued for w in self._queue if not w.batched), default=None)
 
     def wake(self) -> None:
         """Wake every waiter to look again (the batcher took some of their work)."""

@@ -291,12 +291,13 @@ def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
 
 def _unbatched(outcome: Any, decisions: list[_Decision]) -> tuple[Any, dict[str, int] | None]:
     """A batched job's outcome as `_scored` returns it; its failure raised here, in its own
-    request's thread (a copy: one exception raised in several threads garbles its traceback)."""
+    request's thread (a copy: one exception raised in several threads garbles its traceback).
+    A row refused, by the scorer or when a replaced model encoded it again, is the caller's 422."""
+    value = outcome.outcome if isinstance(outcome, Batched) else outcome
+    if isinstance(value, RowError):
+        raise InvalidRequest(_locate(value, decisions))
     if not isinstance(outcome, Batched):  # failed before scoring: dropped, out of memory, ...
         raise same_failure(outcome)
-    value = outcome.outcome
-    if isinstance(value, RowError):  # a batched input's only failure of its own
-        raise InvalidRequest(_locate(value, decisions))
     return value, {"rows": outcome.rows, "padded_length": outcome.padded_length}
 
 
