@@ -84,7 +84,7 @@ class Batcher:
         queued waiter it cannot serve arrived; None: none is), asked again after every wait,
         within the limits. While it is not full and no such waiter waits, it waits for more
         until its oldest job has waited `wait_s` (time in the queue counts, as Triton's queue
-        delay does)."""
+        delay does); a waiter that queues meanwhile is seen at the next submit or at the end."""
         with self._cond:
             while True:
                 before = cutoff()
