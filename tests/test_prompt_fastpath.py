@@ -28,6 +28,7 @@ from semif_serve.scoring.prompt import (
     EncodedPrompt,
     PromptRejected,
     check_answer_boundary,
+    check_fewest_tokens,
     check_length,
     encode,
     encode_many,
@@ -106,8 +107,12 @@ def _indexed(index, check, *args):
 
 
 def reference_encode_prompts(tokenizer, rows, max_tokens) -> list[EncodedPrompt]:
-    """`encode_prompts` before the shortcuts: every prompt encoded whole, every guard."""
+    """`encode_prompts` before the shortcuts: every prompt encoded whole, every guard. The
+    cheap length bound (issue 22) runs first, as it does in production: it is not a shortcut
+    of encoding (tests/test_length_bound.py checks it), and a prompt it refuses is refused
+    with its "at least N tokens" message before anything is encoded."""
     texts = [_indexed(index, render, tokenizer, row) for index, row in enumerate(rows)]
+    check_fewest_tokens(tokenizer, texts, max_tokens)
     messages = [user_message(row) for row in rows]
     ids = reference_encode_texts(tokenizer, texts, messages)
     for index, row_ids in enumerate(ids):
