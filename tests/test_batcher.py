@@ -691,9 +691,10 @@ def test_each_model_batches_its_own_requests_and_a_request_keeps_its_timeout():
 
 def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
     """SEMIF_BATCH_WAIT_MS > 0: the leader waits for company; a reconfigure queues; a request
-    that arrives after it wakes the leader, which stops waiting and leaves it for later."""
+    that arrives after it wakes the leader, which stops waiting and leaves it for later (a
+    third request fills that later batch, so nobody waits out the long wait)."""
     scorer = BatchScorer()
-    rt = batching_runtime(scorer, max_batch_rows=4, batch_wait_ms=WAIT_S * 1000)
+    rt = batching_runtime(scorer, max_batch_rows=2, batch_wait_ms=WAIT_S * 1000)
     lone = Submitted(rt, "lone")
     wait_until(lambda: rt.entry("a")._active == 1)  # it leads, waiting for company
     manager = threading.Thread(
@@ -703,9 +704,11 @@ def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
     wait_until(lambda: rt.entry("a").unbatched_arrival() is not None)
     after = Submitted(rt, "after")
     assert lone.result().outcome["id"] == "lone"
+    company = Submitted(rt, "company")
     assert after.result().outcome["id"] == "after"
+    assert company.result().outcome["id"] == "company"
     manager.join(WAIT_S)
-    assert scorer.batches == [["lone"], ["after"]]
+    assert scorer.batches == [["lone"], ["after", "company"]]
 
 
 def test_a_batch_whose_recording_fails_still_ends_every_request_in_it():
