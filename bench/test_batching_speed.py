@@ -68,6 +68,18 @@ def score_in_batches(model, items: list, size: int) -> None:
         score_batch(model, items[start : start + size], max_tokens=8192, buckets=None)
 
 
+def best_of(calls: dict, rounds: int = 3) -> dict:
+    """Each call's fastest time in seconds over `rounds` rounds, the calls taking turns in each
+    (interleaved, so a drift of these shared cores falls on all of them alike)."""
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
 def test_the_batched_forward_per_row_by_rows_and_length(bench_model):
     """16 rows scored one at a time vs in batches of each size (best of 3 interleaved rounds):
     the per-row gain, by prompt length. No target: it is what the defaults are chosen by."""
@@ -76,12 +88,12 @@ def test_the_batched_forward_per_row_by_rows_and_length(bench_model):
     figures = {}
     for rows in forward_workloads(bench_model.tokenizer):
         items = [direct_input(bench_model.tokenizer, row, 8192, with_prefix=False) for row in rows]
-        best = dict.fromkeys((1, *FORWARD_ROWS), float("inf"))
-        for _ in range(3):
-            for size in best:
-                started = time.perf_counter()
-                score_in_batches(bench_model, items, size)
-                best[size] = min(best[size], time.perf_counter() - started)
+        best = best_of(
+            {
+                size: functools.partial(score_in_batches, bench_model, items, size)
+                for size in (1, *FORWARD_ROWS)
+            }
+        )
         lengths = [len(item.prompt.ids) for item in items]
         figures[f"tokens_{min(lengths)}_{max(lengths)}"] = {
             "one_row_s": best[1] / len(items),
@@ -118,12 +130,14 @@ def test_rows_over_one_state_share_one_prefill(bench_model):
             name: [direct_input(tokenizer, row, 8192, with_prefix=found) for row in rows]
             for name, found in (("padded", False), ("shared", True))
         }
-        best = dict.fromkeys(ways, float("inf"))
-        for _ in range(3):
-            for name, items in ways.items():
-                started = time.perf_counter()
-                score_batch(bench_model, items, max_tokens=8192, buckets=None)
-                best[name] = min(best[name], time.perf_counter() - started)
+        best = best_of(
+            {
+                name: functools.partial(
+                    score_batch, bench_model, items, max_tokens=8192, buckets=None
+                )
+                for name, items in ways.items()
+            }
+        )
         shared = ways["shared"]
         lengths = [len(item.prompt.ids) for item in shared]
         figures[f"tokens_{min(lengths)}_{max(lengths)}"] = {
