@@ -80,6 +80,8 @@ class Settings:
     max_batch_rows: int = 1  # rows one batched forward takes at most; 1: no batching
     max_batch_tokens: int = 16384  # its padded tokens (rows x longest prompt) at most
     batch_wait_ms: int = 0  # how long a batch waits for more requests; 0: never
+    # SEMIF_MODEL_ALIASES: names the ecosystem routes accept for a registered model (jev-latest)
+    model_aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -139,6 +141,7 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
             env, "SEMIF_MAX_BATCH_TOKENS", batch_tokens, MAX_BATCH_TOKENS_LIMIT
         ),
         batch_wait_ms=parse_wait_ms(env, "SEMIF_BATCH_WAIT_MS"),
+        model_aliases=parse_aliases(env.get("SEMIF_MODEL_ALIASES")),
     )
 
 
@@ -282,6 +285,29 @@ def parse_admin_token(token: str | None) -> str | None:
         return parse_token(token)
     except ConfigError as error:
         raise ConfigError(str(error).replace("SEMIF_API_TOKEN", "SEMIF_ADMIN_TOKEN")) from None
+
+
+ALIAS = re.compile(r"[!-~]{1,128}")  # visible ASCII: what an SDK's model string can carry
+ALIAS_TARGET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a model id (runtime/specs.py)
+
+
+def parse_aliases(text: str | None) -> Mapping[str, str]:
+    """`alias=model,alias=model`: each alias visible ASCII but `=` and `,`, each once; each model
+    a model id. Unset or empty: no aliases (a request must name a registered model)."""
+    name = "SEMIF_MODEL_ALIASES"
+    aliases: dict[str, str] = {}
+    if text is None or not text.strip():
+        return MappingProxyType(aliases)
+    for pair in text.split(","):
+        alias, separator, model = (part.strip() for part in pair.partition("="))
+        if not separator or not ALIAS.fullmatch(alias) or not ALIAS_TARGET.fullmatch(model):
+            raise ConfigError(
+                f"{name}: must be alias=model_id pairs separated by commas, got {_shown(pair)}"
+            )
+        if alias in aliases:
+            raise ConfigError(f"{name}: alias {alias!r} is given twice")
+        aliases[alias] = model
+    return MappingProxyType(aliases)
 
 
 def parse_bind(text: str) -> str:

@@ -12,6 +12,11 @@ class InvalidRequest(ServeError, ValueError):
     """The request cannot be scored as sent (shape, limits, a scorer ValueError) → 422."""
 
 
+class OptionCountUnsupported(InvalidRequest):
+    """A question has more options (choices, levels) than the 16 option letters A..P → 422
+    `option_count_unsupported`; never truncated."""
+
+
 class BadRequest(ServeError):
     """The HTTP framing is malformed (a Content-Length that is not ASCII digits) → 400."""
 
@@ -26,6 +31,10 @@ class IncompleteBody(ServeError):
 
 class RequestTimeout(ServeError):
     """The request's body did not arrive within SEMIF_BODY_TIMEOUT_S → 408."""
+
+
+class UnsupportedEncoding(ServeError):
+    """The body's Content-Encoding is not one the server decodes (identity, gzip, zstd) → 415."""
 
 
 class RequestTooLarge(ServeError):

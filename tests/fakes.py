@@ -98,7 +98,17 @@ class FakeScorer:
     def score_shared(self, rows):
         self.calls.append(("score_shared", list(rows)))
         self._enter()
-        return [self.result(row) for row in rows], {"batch_size": len(rows), "total_seconds": 0.01}
+        return [self.result(row) for row in rows], self.timing(rows)
+
+    def timing(self, rows):
+        """A shared call's timing: the state's 6 tokens once, 4 of each row's own."""
+        return {
+            "batch_size": len(rows),
+            "total_seconds": 0.01,
+            "prefix_tokens": 6,
+            "true_suffix_tokens": 4 * len(rows),
+            "prefix_stored": False,
+        }
 
 
 def settings(**overrides) -> Settings:

@@ -138,7 +138,7 @@ def test_decide_shared_builds_rows_with_the_shared_state_and_returns_results_and
     ]
     assert response.json == {
         "results": [scorer.result(r) for r in rows],
-        "timing": {"batch_size": 2, "total_seconds": 0.01},
+        "timing": scorer.timing(rows),
     }
 
 

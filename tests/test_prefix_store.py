@@ -32,7 +32,7 @@ def stored_prefix(tokens: int) -> DynamicCache:
 
 def use(cache: PrefixCache, ids: list[int], tokens: int = 4, model=MODEL) -> bool:
     """Resume after `ids` once (prefilling `tokens` tokens on a miss); whether it hit."""
-    with cache.resume(model, ids, lambda: stored_prefix(tokens)) as (_, hit):
+    with cache.resume(model, ids, lambda: stored_prefix(tokens)) as (_, hit, _):
         return hit
 
 
@@ -110,10 +110,10 @@ def test_each_model_view_uses_its_own_identity():
     view, other = cache.for_model(MODEL), cache.for_model(OTHER_MODEL)
     assert (view.store, view.model, other.model) == (cache, MODEL, OTHER_MODEL)
     assert [view.caches(1), view.caches(2)] == [False, True]
-    with view.resume([1, 2], lambda: stored_prefix(4)) as (_, hit):
+    with view.resume([1, 2], lambda: stored_prefix(4)) as (_, hit, _):
         assert not hit
     assert use(cache, [1, 2]) and not use(cache, [1, 2], model=OTHER_MODEL)
-    with other.resume([1, 2], lambda: stored_prefix(4)) as (_, hit):
+    with other.resume([1, 2], lambda: stored_prefix(4)) as (_, hit, _):
         assert hit
     assert view.stats() == cache.stats(MODEL) == counts(hits=1, misses=1, entries=1)
     assert other.stats() == counts(hits=1, misses=1, entries=1)
@@ -162,7 +162,7 @@ def test_a_prefill_that_cannot_be_shared_is_used_once_and_not_stored():
         return prefills[-1]
 
     for _ in range(2):
-        with cache.resume(MODEL, [1], prefill) as (resumed, hit):
+        with cache.resume(MODEL, [1], prefill) as (resumed, hit, _):
             assert resumed is prefills[-1] and not hit  # the call consumes its own prefill
     assert cache.stats(MODEL) == counts(misses=2) and cache.total_bytes == 0
 
@@ -170,7 +170,7 @@ def test_a_prefill_that_cannot_be_shared_is_used_once_and_not_stored():
 def test_a_stored_miss_resumes_from_a_copy_and_the_entry_stays():
     cache = PrefixCache(1 << 20, min_tokens=1)
     prefilled = stored_prefix(4)
-    with cache.resume(MODEL, [1], lambda: prefilled) as (resumed, hit):
+    with cache.resume(MODEL, [1], lambda: prefilled) as (resumed, hit, _):
         assert not hit and resumed is not prefilled
     ((key, entry),) = cache._entries.items()
     assert key == (MODEL, (1,)) and entry.cache is prefilled
@@ -274,7 +274,7 @@ def test_an_entry_in_use_is_never_evicted():
 def test_an_entry_held_by_two_calls_stays_pinned_until_both_end():
     cache = PrefixCache(ENTRY, min_tokens=1)
     with cache.resume(MODEL, [1], lambda: stored_prefix(4)):
-        with cache.resume(MODEL, [1], lambda: stored_prefix(4)) as (_, hit):
+        with cache.resume(MODEL, [1], lambda: stored_prefix(4)) as (_, hit, _):
             assert hit
         assert not use(cache, [2])  # 1 is still held: 2 is not stored
         assert stored(cache) == [(1,)]
@@ -341,7 +341,7 @@ def test_a_prefix_stored_meanwhile_by_another_call_is_kept_and_counted_once():
             pass
         return stored_prefix(4)
 
-    with cache.resume(MODEL, [7], prefill_while_another_call_stores_it) as (resumed, hit):
+    with cache.resume(MODEL, [7], prefill_while_another_call_stores_it) as (resumed, hit, _):
         assert not hit and resumed is not first
     assert cache._entries[(MODEL, (7,))].cache is first
     assert cache.stats(MODEL) == counts(misses=2, entries=1) and cache.total_bytes == ENTRY
@@ -369,7 +369,7 @@ def test_concurrent_calls_never_evict_each_others_entries():
     hits: list[bool] = []
 
     def hold(ids: list[int]) -> None:
-        with cache.resume(MODEL, ids, lambda: stored_prefix(4)) as (_, hit):
+        with cache.resume(MODEL, ids, lambda: stored_prefix(4)) as (_, hit, _):
             hits.append(hit)
             all_holding.wait()  # every call holds its prefix at once
 
@@ -433,7 +433,7 @@ def test_drop_returns_the_bytes_it_forgets():
 
 def test_drop_forgets_a_held_entry_and_its_call_ends_normally():
     cache = PrefixCache(1 << 20, min_tokens=1)
-    with cache.resume(MODEL, [1], lambda: stored_prefix(4)) as (resumed, _):
+    with cache.resume(MODEL, [1], lambda: stored_prefix(4)) as (resumed, _, _):
         assert cache.drop(MODEL) == ENTRY
         assert cache.total_bytes == 0
         assert cache_bytes(resumed) == ENTRY  # the call still has its tensors

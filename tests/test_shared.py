@@ -35,6 +35,7 @@ TIMING_KEYS = {
     "batch_size",
     "true_suffix_tokens",
     "padded_suffix_tokens",
+    "prefix_stored",
 }
 
 

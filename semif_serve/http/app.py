@@ -6,7 +6,8 @@ from typing import Any
 
 import falcon
 
-from semif_serve.http.errors import handle_error
+from semif_serve.http.ecosystem import Decisions, SystemOne
+from semif_serve.http.errors import ECOSYSTEM_ROUTES, handle_error
 from semif_serve.http.management import BulkUnload, Model, Models, ModelUnload
 from semif_serve.http.middleware import Admission, BearerAuth, InProgress, RequestLog
 from semif_serve.http.resources import Decide, DecideShared, Health, MetricsPage
@@ -33,7 +34,9 @@ def create_app(
     runtime.listen(metrics.model_event)
     runtime.on_batch = metrics.batch
     auth = BearerAuth(settings.api_token, settings.admin_token)
-    literal = frozenset({"/health", "/metrics", "/decide", "/decide/shared", "/v1/models"})
+    literal = frozenset(
+        {"/health", "/metrics", "/decide", "/decide/shared", "/v1/models", *ECOSYSTEM_ROUTES}
+    )
     in_progress = InProgress()
     app = ServingApp(middleware=[RequestLog(metrics, literal, in_progress), auth, admission])
     app.in_progress = in_progress
@@ -43,7 +46,9 @@ def create_app(
     app.add_route("/decide", Decide(service, limit))
     app.add_route("/decide/shared", DecideShared(service, limit))
     app.add_route("/metrics", MetricsPage(metrics))
-    app.add_route("/v1/models", Models(runtime, limit))
+    app.add_route("/v1/systemone", SystemOne(service, settings))
+    app.add_route("/v1/decisions", Decisions(service, settings))
+    app.add_route("/v1/models", Models(runtime, limit, settings.model_aliases))
     app.add_route("/v1/models/unload", BulkUnload(runtime, limit))
     app.add_route("/v1/models/{model_id}", Model(runtime, limit))
     app.add_route("/v1/models/{model_id}/unload", ModelUnload(runtime, limit))

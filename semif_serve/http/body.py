@@ -4,8 +4,8 @@ The declared Content-Length is trusted only when it is plain ASCII digits: Pytho
 accepts Unicode digits ('١٠'), signs, spaces and underscores. A declared length over the limit
 is refused before any byte is read; otherwise the body is read in chunks and the limit is checked
 before each chunk is kept, so a chunked upload that never ends costs at most `limit` bytes.
-A parsed body holding a lone UTF-16 surrogate anywhere is refused, naming where: no reply or
-prompt could encode that text.
+A gzip or zstd body is decoded within the same limit (`encoding`). A parsed body holding a lone
+UTF-16 surrogate anywhere is refused, naming where: no reply or prompt could encode that text.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from semif_serve.errors import (
     RequestTimeout,
     RequestTooLarge,
 )
+from semif_serve.http.encoding import coding, decoded
 from semif_serve.http.errors import encodable
 
 CHUNK_BYTES = 64 * 1024
@@ -95,10 +96,17 @@ def _read_chunk(stream: IO[bytes], want: int) -> bytes:
         ) from None
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object; anything else (not UTF-8, not JSON, NaN, an array) is a 422."""
+def parse_json_object(body: bytes, unique_keys: bool = False) -> dict[str, Any]:
+    """The body as a JSON object; anything else (not UTF-8, not JSON, NaN, an array) is a 422.
+    With `unique_keys`, so is an object that names one key twice (JSON parsers keep the last:
+    two choices of one name would silently become one)."""
+    hook = _unique_object if unique_keys else None
     try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        value = json.loads(
+            body.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=hook
+        )
+    except InvalidRequest:
+        raise
     except UnicodeDecodeError:
         raise InvalidRequest("body: must be UTF-8 encoded JSON") from None
     except ValueError as error:
@@ -166,8 +174,26 @@ def _field_name(path: FieldPath) -> str:
     return "".join(reversed(parts)).removeprefix(".")
 
 
-def read_json_object(environ: dict[str, Any], limit: int) -> dict[str, Any]:
-    return parse_json_object(read_body(environ, limit))
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                shown = encodable(key)
+                raise InvalidRequest(f'body: the key "{shown}" appears twice in one object')
+            seen.add(key)
+    return value
+
+
+def read_json_object(
+    environ: dict[str, Any], limit: int, unique_keys: bool = False
+) -> dict[str, Any]:
+    """The body as a JSON object, decoded from its Content-Encoding first: `limit` bounds the
+    bytes on the wire and the decoded bytes alike. The coding is checked before any byte is
+    read, so an unknown one is a 415 whatever the body."""
+    name = coding(environ.get("HTTP_CONTENT_ENCODING"))
+    return parse_json_object(decoded(read_body(environ, limit), name, limit), unique_keys)
 
 
 def _reject_constant(constant: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import falcon
 
@@ -17,6 +18,7 @@ from semif_serve.errors import (
     InvalidRequest,
     ModelLoadFailed,
     ModelNotFound,
+    OptionCountUnsupported,
     OutOfMemory,
     QueueTimedOut,
     RequestTimeout,
@@ -24,6 +26,7 @@ from semif_serve.errors import (
     ScoringFailed,
     ServerBusy,
     Unauthorized,
+    UnsupportedEncoding,
 )
 from semif_serve.metrics import ABANDONED
 
@@ -40,7 +43,9 @@ STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     InsufficientMemory: (503, "insufficient_memory"),
     Unauthorized: (401, "unauthorized"),
     RequestTooLarge: (413, "request_too_large"),
+    OptionCountUnsupported: (422, "option_count_unsupported"),  # before its base class
     InvalidRequest: (422, "invalid_request"),
+    UnsupportedEncoding: (415, "unsupported_media_type"),
     ServerBusy: (429, "busy"),
     OutOfMemory: (503, "out_of_memory"),
     ModelLoadFailed: (503, "model_load_failed"),
@@ -55,13 +60,21 @@ FALCON_CODES = {
     413: "request_too_large",
     415: "unsupported_media_type",
 }
+# Seconds a refused caller should wait, sent both as Retry-After and as retry-after-ms (the
+# TypeSafe and OpenAI SDKs read the second first, to the millisecond).
+RETRY_AFTER_S = {
+    ServerBusy: 1,
+    QueueTimedOut: 1,
+    InsufficientMemory: 5,
+    OutOfMemory: 1,
+    ModelLoadFailed: 5,
+}
 EXTRA_HEADERS: dict[type[Exception], dict[str, str]] = {
     Unauthorized: {"WWW-Authenticate": "Bearer"},
-    ServerBusy: {"Retry-After": "1"},
-    QueueTimedOut: {"Retry-After": "1"},
-    InsufficientMemory: {"Retry-After": "5"},
-    OutOfMemory: {"Retry-After": "1"},
-    ModelLoadFailed: {"Retry-After": "5"},
+    **{
+        kind: {"Retry-After": str(seconds), "retry-after-ms": str(seconds * 1000)}
+        for kind, seconds in RETRY_AFTER_S.items()
+    },
     # The rest of a half-read body is still on the socket: the connection cannot be reused.
     IncompleteBody: {"Connection": "close"},
     RequestTimeout: {"Connection": "close"},
@@ -70,11 +83,32 @@ EXTRA_HEADERS: dict[type[Exception], dict[str, str]] = {
 }
 
 
-def envelope(code: str, message: str) -> str:
+# The ecosystem's routes (http/ecosystem.py): their errors also carry OpenAI's `type` and
+# `param`, so the SDKs and gateways built for those APIs read them as they read the originals.
+ECOSYSTEM_ROUTES = frozenset({"/v1/systemone", "/v1/decisions"})
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    429: "rate_limit_error",
+}
+FIELD_PREFIX = re.compile(r"([^:\s][^:]*): ")
+
+
+def envelope(code: str, message: str, extra: dict[str, str | None] | None = None) -> str:
     """The error body, always encodable as UTF-8: a message character that is not (a lone
     surrogate quoted from a request) is written as its escape, the six characters `\\ud800`."""
-    error = {"code": code, "message": encodable(message)}
+    error = {"code": code, "message": encodable(message), **(extra or {})}
     return json.dumps({"error": error}, ensure_ascii=False)
+
+
+def openai_fields(status: int, message: str, error: Exception) -> dict[str, str | None]:
+    """`type` by status, and `param`: the field an invalid request's message names first."""
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    field = FIELD_PREFIX.match(message) if isinstance(error, InvalidRequest) else None
+    param = None if field is None or field.group(1) == "body" else encodable(field.group(1))
+    return {"type": kind, "param": param}
 
 
 def encodable(text: str) -> str:
@@ -104,7 +138,8 @@ def handle_error(req: falcon.Request, resp: falcon.Response, error: Exception, p
         message = f"{req.method} is not allowed on {req.path}"
     resp.status = status
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = envelope(code, message).encode()
+    extra = openai_fields(status, message, error) if req.path in ECOSYSTEM_ROUTES else None
+    resp.data = envelope(code, message, extra).encode()
     for name, value in headers.items():
         resp.set_header(name, value)
     req.context.error_code = code

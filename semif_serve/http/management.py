@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+from typing import Any
+
 import falcon
 
 from semif_serve.errors import Forbidden, InvalidRequest
@@ -25,10 +29,48 @@ class Models(_Management):
     """GET and HEAD /v1/models: every registered model's state; reserves nothing, resets no
     timer."""
 
+    def __init__(self, runtime: Runtime, max_body_bytes: int, aliases: Mapping[str, str]):
+        super().__init__(runtime, max_body_bytes)
+        self._aliases = aliases
+        self._started = int(time.time())
+
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        send_json(resp, {"models": self._runtime.status()})
+        send_json(resp, model_listing(self._runtime.status(), self._aliases, self._started))
 
     on_head = on_get  # Falcon answers a HEAD with the GET's status and headers, no body
+
+
+def model_listing(
+    statuses: list[dict[str, Any]], aliases: Mapping[str, str], started: int
+) -> dict[str, Any]:
+    """The list both SDKs parse, around today's: `models` is each registered model's status,
+    plus the TypeSafe SDK's `name`, `description` and `release_date` (the date this server
+    started: it does not know a model's own release) and the `aliases` that name it; `data` is
+    OpenAI's list of every name a request can send, each model and alias."""
+    date = time.strftime("%Y-%m-%d", time.gmtime(started))
+    models = [
+        {
+            **status,
+            "name": status["id"],
+            "description": _description(status),
+            "release_date": date,
+            "aliases": sorted(alias for alias, model in aliases.items() if model == status["id"]),
+        }
+        for status in statuses
+    ]
+    names = [(status["id"], {}) for status in statuses]
+    names += [(alias, {"alias_of": model}) for alias, model in aliases.items()]
+    data = [
+        {"id": name, "object": "model", "created": started, "owned_by": "semif-serve", **more}
+        for name, more in names
+    ]
+    return {"object": "list", "data": data, "models": models}
+
+
+def _description(status: dict[str, Any]) -> str:
+    revision = status.get("revision")
+    source = str(status.get("source"))
+    return f"{source} at revision {revision}" if revision else source
 
 
 class Model(_Management):

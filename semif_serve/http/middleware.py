@@ -71,7 +71,8 @@ class RequestLog:
     """Gives every request an id (the caller's X-Request-Id when sane), logs one JSON line and
     counts it in the metrics; `in_progress` holds each request until its response is ready.
     The one place that adds the per-request reply headers, on successes and errors alike:
-    X-Request-Id, and X-Semif-State-Key when a resource accepted the request's state."""
+    X-Request-Id (also as x-typesafe-request-id), and X-Semif-State-Key when a resource accepted
+    the request's state."""
 
     def __init__(
         self,
@@ -94,6 +95,8 @@ class RequestLog:
     def process_response(self, req, resp, resource, req_succeeded) -> None:
         self.in_progress.remove(req)
         resp.set_header("X-Request-Id", req.context.request_id)
+        # The same id where the TypeSafe SDK reads it (its responses' and errors' request_id).
+        resp.set_header("x-typesafe-request-id", req.context.request_id)
         key = req.context.get("state_key")
         if key is not None:
             resp.set_header(STATE_KEY_HEADER, key)

@@ -47,7 +47,7 @@ def forward_packed(
     prefill_started = perf_counter()
     with (
         torch.inference_mode(),
-        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit),
+        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit, stored),
     ):
         prefix_layers = [(layer.keys, layer.values) for layer in cache.layers]
         suffix_started = perf_counter()
@@ -66,6 +66,7 @@ def forward_packed(
     del cache, prefix_layers, hidden, logits
     return letters, {
         "cache_hit": hit,
+        "prefix_stored": stored,
         "prefix_tokens": prefix_length,
         "prefill_seconds": suffix_started - prefill_started,
         "replicate_seconds": 0.0,

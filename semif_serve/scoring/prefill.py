@@ -26,13 +26,14 @@ def prefilled(
     prefix_ids: list[int],
     prefix_cache: ModelPrefixCache | None,
 ) -> Iterator[tuple[Any, bool]]:
-    """(the prefix's cache for the block to consume, whether it was stored before)."""
+    """(the prefix's cache for the block to consume, whether it was stored before, whether
+    this call stored it)."""
 
     def run() -> Any:
         return prefill(base_model, config, prefix_ids, base_model.device)
 
     if prefix_cache is None:
-        yield run(), False
+        yield run(), False, False
         return
     with prefix_cache.resume(prefix_ids, run) as resumed:
         yield resumed

@@ -77,12 +77,13 @@ class PrefixCache:
     def resume(
         self, model: tuple, ids: list[int], prefill: Callable[[], Any]
     ) -> Iterator[tuple[Any, bool]]:
-        """(a cache positioned after `ids` for the caller to consume, whether it was stored).
+        """(a cache positioned after `ids` for the caller to consume, whether it was stored
+        before, whether this call stored it).
 
         A miss runs `prefill()` and stores its cache when the budget allows; the entry the call
         uses stays pinned until the block ends."""
         if not self.caches(len(ids)):
-            yield prefill(), False
+            yield prefill(), False, False
             return
         key = _key(model, ids)
         entry = self._take(key)
@@ -91,10 +92,10 @@ class PrefixCache:
             prefilled = prefill()
             entry = self._insert(key, prefilled)
             if entry is None:  # not stored: the call consumes its own prefill
-                yield prefilled, False
+                yield prefilled, False, False
                 return
         try:
-            yield working_copy(entry.cache), hit
+            yield working_copy(entry.cache), hit, not hit
         finally:
             self._release(entry)
 

@@ -157,7 +157,7 @@ def _forward(
     started = perf_counter()
     with (
         torch.inference_mode(),
-        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit),
+        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit, stored),
     ):
         prefill_seconds = perf_counter() - started
         for group in groups:
@@ -177,6 +177,7 @@ def _forward(
     del cache, logits, last_hidden
     return letters, {
         "cache_hit": hit,
+        "prefix_stored": stored,
         "prefix_tokens": prefix_length,
         "prefill_seconds": prefill_seconds,
         "replicate_seconds": layout_seconds,

@@ -1,0 +1,235 @@
+"""What both ecosystem formats share: questions as direct-options-v1 rows over one state, the
+shared calls that score them, and what a reply reads back from the results.
+
+The rules are upstream SemIf's for its own System One layer (../shared/spec/decision-apis.md §3):
+each question is one row over the request's state; its instructions are the criterion (a string
+as it is, an object or array as JSON in insertion order with non-ASCII kept); empty or missing
+instructions are refused; a yes/no question gets the options `true`, `false` with fixed default
+descriptions; more than 16 options (the letters A..P) is `option_count_unsupported`, never
+truncated. Row and option ids are positional (`q3`, `o1`): the model never sees them, and a name
+the format allows (empty, or a boolean choice value) needs no id rules of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from semif_serve.errors import InvalidRequest, OptionCountUnsupported
+from semif_serve.scoring.rows import MAX_OPTIONS, MIN_OPTIONS
+
+YES = "The answer to the question is yes."
+NO = "The answer to the question is no."
+CONFIDENCE_FORMULA = "normalized-peak-v1"
+FORMAT_OPTION_LIMIT = 255  # what both formats allow per question
+MAX_QUESTIONS = 400  # per request, both formats (OpenAI Decisions' own limit)
+TEMPERATURE = 1.0  # the native softmax: uncalibrated
+# How the service names a decision in its messages: `decisions[3]`, `decisions[3] (row 'q3')`,
+# then the field (`.options[1].description`, `.question`) and the message.
+SERVICE_FIELD = re.compile(r"decisions\[(\d+)\](?: \(row '[^']*'\))?(?:\.([^:]*))?: ")
+OPTION_FIELD = re.compile(r"options\[(\d+)\](?:\.\w+)?")
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One question as one row over the request's state."""
+
+    where: str  # how messages name the question: `questions.urgency`, `questions[3]`
+    question: str  # the criterion the prompt shows
+    descriptions: tuple[str, ...]  # each option's description, in letter order
+    option_fields: tuple[str, ...]  # where each came from in the question (`criteria.calm`)
+
+
+def content_text(content: Any, where: str) -> str:
+    """Instructions or a description as the prompt shows it: a string as it is, an object or an
+    array as JSON (keys in the order sent, non-ASCII as it is)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (dict, list)):
+        try:
+            return json.dumps(content, ensure_ascii=False, allow_nan=False)
+        except RecursionError:
+            raise InvalidRequest(f"{where}: nested too deeply") from None
+    raise InvalidRequest(f"{where}: must be a string, object or array, got {type_name(content)}")
+
+
+def instructions_text(content: Any, where: str) -> str:
+    """A question's criterion; missing, null or blank is refused."""
+    if content is None:
+        raise InvalidRequest(f"{where}: missing; every question needs instructions")
+    text = content_text(content, where)
+    if not text.strip():
+        raise InvalidRequest(f"{where}: must not be empty")
+    return text
+
+
+def check_option_count(count: int, where: str, noun: str) -> None:
+    """2..16 options; more is `option_count_unsupported`, naming the limit."""
+    if count > MAX_OPTIONS:
+        raise OptionCountUnsupported(
+            f"{where}: {count} {noun}, over the {MAX_OPTIONS} this server scores (one option "
+            f"letter A..P each; the format allows {FORMAT_OPTION_LIMIT}). Nothing is truncated: "
+            "split the question"
+        )
+    if count < MIN_OPTIONS:
+        raise InvalidRequest(f"{where}: needs at least {MIN_OPTIONS} {noun}, got {count}")
+
+
+def check_question_count(count: int, where: str = "questions") -> None:
+    if not 1 <= count <= MAX_QUESTIONS:
+        raise InvalidRequest(f"{where}: must hold 1..{MAX_QUESTIONS} questions, got {count}")
+
+
+def yes_no(where: str, question: str, yes: str = YES, no: str = NO, fields=None) -> Mapped:
+    """A yes/no question: options `true` then `false` (answer = p(true))."""
+    return Mapped(where, question, (yes, no), fields or ("criteria.true", "criteria.false"))
+
+
+def shared_bodies(
+    state: Any, questions: list[Mapped], routing: dict[str, Any], per_call: int
+) -> list[dict[str, Any]]:
+    """The `/decide/shared` bodies that score `questions` over `state`: one call, or as many as
+    SEMIF_MAX_DECISIONS (`per_call`) needs, in question order."""
+    decisions = [
+        {
+            "id": f"q{index}",
+            "question": mapped.question,
+            "options": [
+                {"id": f"o{k}", "description": text} for k, text in enumerate(mapped.descriptions)
+            ],
+        }
+        for index, mapped in enumerate(questions)
+    ]
+    return [
+        {"state": state, "decisions": decisions[start : start + per_call], **routing}
+        for start in range(0, len(decisions), per_call)
+    ]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The shared calls' results, one per question in order, and the request's token counts."""
+
+    results: list[dict[str, Any]]
+    input_tokens: int  # the state once, plus every question's own tokens
+    cached_tokens: int  # of those, the state prefix served from the state-prefix cache
+    written_tokens: int  # the state prefix this request stored in the cache
+
+
+def scored(replies: Iterable[dict[str, Any]]) -> Scored:
+    """What the `/decide/shared` replies to `shared_bodies` say, read as one request. The later
+    calls resume the prefix the first one prefilled or stored: the state counts once."""
+    replies = list(replies)
+    results = [result for reply in replies for result in reply["results"]]
+    first = replies[0]["timing"]
+    prefix = first["prefix_tokens"]
+    suffixes = sum(reply["timing"]["true_suffix_tokens"] for reply in replies)
+    return Scored(
+        results=results,
+        input_tokens=prefix + suffixes,
+        cached_tokens=prefix if results[0].get("cache_hit") else 0,
+        written_tokens=prefix if first.get("prefix_stored") else 0,
+    )
+
+
+def answered(
+    state: Any,
+    questions: list[Mapped],
+    routing: dict[str, Any],
+    per_call: int,
+    decide_shared: Callable[[dict[str, Any]], dict[str, Any]],
+    state_field: str = "state",
+) -> Scored:
+    """Score `questions` over `state` through `decide_shared` (the service's, one call per
+    `shared_bodies` body); a refusal names the question's own fields (`located`)."""
+    replies = []
+    for start, body in zip(
+        range(0, len(questions), per_call),
+        shared_bodies(state, questions, routing, per_call),
+        strict=True,
+    ):
+        try:
+            replies.append(decide_shared(body))
+        except InvalidRequest as error:
+            raise located(error, questions[start : start + per_call], state_field) from None
+    return scored(replies)
+
+
+def confidence(probabilities: list[float]) -> float:
+    """normalized-peak-v1: clamp((n · max p − 1) / (n − 1), 0, 1); 0 for uniform, 1 for certain."""
+    n = len(probabilities)
+    return min(1.0, max(0.0, (n * max(probabilities) - 1.0) / (n - 1)))
+
+
+def expected_score(probabilities: list[float]) -> float:
+    """Σ i · p_i over the levels 0..n-1."""
+    return float(sum(level * p for level, p in enumerate(probabilities)))
+
+
+def top(probabilities: list[float]) -> int:
+    """The first most probable option's position."""
+    return max(range(len(probabilities)), key=probabilities.__getitem__)
+
+
+def readout(result: dict[str, Any], *, with_confidence: bool) -> dict[str, Any]:
+    """The per-answer extension block (`semif`, which the SDKs ignore): how the answer was read."""
+    block = {
+        "option_logits": result["option_logits"],
+        "probabilities": result["probabilities"],
+        "prompt_sha256": result["prompt_sha256"],
+        "prompt_version": result["prompt_version"],
+        "input_tokens": result["input_tokens"],
+        "temperature": TEMPERATURE,
+        "probability_status": result["probability_status"],
+        "cache_hit": result.get("cache_hit"),
+        "prefix_sha256": result.get("prefix_sha256"),
+        "model": result["model"],
+    }
+    if with_confidence:
+        block["confidence_formula"] = CONFIDENCE_FORMULA
+    return block
+
+
+def located(error: InvalidRequest, questions: list[Mapped], state_field: str) -> InvalidRequest:
+    """The service's refusal of a shared call, naming the question's own fields instead of the
+    rows it became (`decisions[3].options[1].description` → `questions.tone.criteria.calm`)."""
+    message = str(error)
+    if state_field != "state" and message.startswith("state"):
+        return type(error)(state_field + message[len("state") :])
+    found = SERVICE_FIELD.match(message)
+    if found is None or int(found.group(1)) >= len(questions):
+        return error
+    mapped = questions[int(found.group(1))]
+    field = found.group(2)
+    option = OPTION_FIELD.match(field or "")
+    if option is not None and int(option.group(1)) < len(mapped.option_fields):
+        field = mapped.option_fields[int(option.group(1))] + field[option.end() :]
+    elif field == "question":
+        field = "instructions"
+    name = mapped.where if not field else f"{mapped.where}.{field}"
+    return type(error)(f"{name}: {message[found.end() :]}")
+
+
+def type_name(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number" if isinstance(value, (int, float)) else "value")
+
+
+def check_keys(value: Any, allowed: frozenset[str], where: str) -> dict[str, Any]:
+    """`value` as an object with no keys but `allowed`."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{where}: must be an object, got {type_name(value)}")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        known = ", ".join(sorted(allowed))
+        raise InvalidRequest(f"{where}: unknown keys {unknown}; allowed: {known}")
+    return value
+
+
+def refuse_image(where: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{where}: images are not supported: this server runs a text-only model"
+    )

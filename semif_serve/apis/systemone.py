@@ -1,0 +1,167 @@
+"""TypeSafe's System One (`POST /v1/systemone`, what `typesafe-sdk` sends) onto shared scoring.
+
+A request `{model, state, questions: {name: question}}` is one state and its named questions,
+mapped as upstream SemIf maps them (`mapping`): `noul` → options `true`, `false` (a side
+without a description gets the fixed default); `choice` → its criteria in the order sent (a null
+or empty description is the name itself); `score` → its levels, ids "0".."n-1". `box` questions
+and image assets need a vision model: a 422 naming them. The reply keys each answer by its
+question's name, with `usage` (the state counted once, `output_tokens` 0) and a `semif` block per
+answer that the SDK ignores. Every float is written as a JSON float (`1.0`, never `1`): the SDK
+validates strictly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from semif_serve.apis.mapping import (
+    NO,
+    YES,
+    Mapped,
+    Scored,
+    check_keys,
+    check_option_count,
+    check_question_count,
+    confidence,
+    content_text,
+    expected_score,
+    instructions_text,
+    readout,
+    refuse_image,
+    top,
+    yes_no,
+)
+from semif_serve.errors import InvalidRequest
+
+REQUEST_KEYS = frozenset({"model", "state", "questions", "assets", "timeout_s"})
+QUESTION_KEYS = {
+    "noul": frozenset({"type", "instructions", "criteria"}),
+    "choice": frozenset({"type", "instructions", "criteria"}),
+    "score": frozenset({"type", "instructions", "criteria"}),
+}
+NOUL_SIDES = frozenset({"true", "false"})
+
+
+@dataclass(frozen=True)
+class Question:
+    name: str
+    kind: str  # noul, choice, score
+    labels: tuple[str, ...]  # choice: the names; score: the legend (each level's text)
+    mapped: Mapped
+
+
+@dataclass(frozen=True)
+class Request:
+    model: str | None
+    state: Any
+    questions: list[Question]
+    routing: dict[str, Any]  # passed to the service as it is (`timeout_s`)
+
+
+def parse(body: dict[str, Any]) -> Request:
+    """The request as questions over one state; InvalidRequest naming the field otherwise."""
+    check_keys(body, REQUEST_KEYS, "body")
+    if body.get("assets"):
+        raise refuse_image("assets")
+    if "state" not in body:
+        raise InvalidRequest("state: missing")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model: must be a model name string")
+    questions = body.get("questions")
+    if not isinstance(questions, dict):
+        raise InvalidRequest("questions: must be an object {name: question}")
+    check_question_count(len(questions))
+    parsed = [_question(name, question) for name, question in questions.items()]
+    routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
+    return Request(model, body["state"], parsed, routing)
+
+
+def _question(name: str, question: Any) -> Question:
+    where = f"questions.{name}"
+    if not isinstance(question, dict):
+        raise InvalidRequest(f"{where}: must be an object with a type")
+    kind = question.get("type")
+    if kind == "box":
+        raise InvalidRequest(
+            f"{where}: box questions locate things in images, which needs a vision model; "
+            "this server runs a text-only model"
+        )
+    if kind not in QUESTION_KEYS:
+        shown = "missing" if kind is None else f"unknown question type {kind!r}"
+        raise InvalidRequest(f"{where}.type: {shown}; this server answers noul, choice and score")
+    check_keys(question, QUESTION_KEYS[kind], where)
+    text = instructions_text(question.get("instructions"), f"{where}.instructions")
+    criteria = question.get("criteria")
+    if kind == "noul":
+        return Question(name, kind, (), _noul(where, text, criteria))
+    if kind == "choice":
+        if not isinstance(criteria, dict):
+            raise InvalidRequest(f"{where}.criteria: must be an object {{name: description}}")
+        check_option_count(len(criteria), f"{where}.criteria", "choices")
+        labels = tuple(criteria)
+        descriptions = tuple(
+            content_text(text_or_none, f"{where}.criteria.{label}") if text_or_none else label
+            for label, text_or_none in criteria.items()
+        )
+        fields = tuple(f"criteria.{label}" for label in labels)
+        return Question(name, kind, labels, Mapped(where, text, descriptions, fields))
+    if not isinstance(criteria, list):
+        raise InvalidRequest(f"{where}.criteria: must be an array of levels, from score 0 up")
+    check_option_count(len(criteria), f"{where}.criteria", "levels")
+    legend = tuple(
+        content_text(level, f"{where}.criteria[{index}]") for index, level in enumerate(criteria)
+    )
+    fields = tuple(f"criteria[{index}]" for index in range(len(criteria)))
+    return Question(name, kind, legend, Mapped(where, text, legend, fields))
+
+
+def _noul(where: str, text: str, criteria: Any) -> Mapped:
+    if criteria is None:
+        return yes_no(where, text)
+    check_keys(criteria, NOUL_SIDES, f"{where}.criteria")
+    yes, no = (criteria.get(side) for side in ("true", "false"))
+    return yes_no(
+        where,
+        text,
+        content_text(yes, f"{where}.criteria.true") if yes else YES,
+        content_text(no, f"{where}.criteria.false") if no else NO,
+    )
+
+
+def reply(request: Request, scored: Scored, model: str) -> dict[str, Any]:
+    """The System One reply: answers by question name, `model` the model that answered."""
+    answers = {
+        question.name: _answer(question, result)
+        for question, result in zip(request.questions, scored.results, strict=True)
+    }
+    return {
+        "model": model,
+        "answers": answers,
+        "usage": {"input_tokens": scored.input_tokens, "output_tokens": 0},
+    }
+
+
+def _answer(question: Question, result: dict[str, Any]) -> dict[str, Any]:
+    probabilities = [float(p) for p in result["probabilities"]]
+    if question.kind == "noul":
+        answer: dict[str, Any] = {"type": "noul", "noul": probabilities[0]}
+    elif question.kind == "choice":
+        answer = {
+            "type": "choice",
+            "choice": question.labels[top(probabilities)],
+            "confidence": confidence(probabilities),
+            "probabilities": dict(zip(question.labels, probabilities, strict=True)),
+        }
+    else:
+        levels = [str(level) for level in range(len(probabilities))]
+        answer = {
+            "type": "score",
+            "score": expected_score(probabilities),
+            "confidence": confidence(probabilities),
+            "legend": dict(zip(levels, question.labels, strict=True)),
+            "probabilities": dict(zip(levels, probabilities, strict=True)),
+        }
+    answer["semif"] = readout(result, with_confidence=question.kind != "noul")
+    return answer
