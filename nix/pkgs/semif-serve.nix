@@ -4,10 +4,12 @@
 {
   buildPythonPackage,
   lib,
+  pythonOlder,
   setuptools,
 
   # dependencies
   accelerate,
+  backports-zstd,
   falcon,
   gguf,
   gunicorn,
@@ -60,7 +62,9 @@ buildPythonPackage {
     torch
     tqdm
     transformers
-  ];
+  ]
+  # zstd request bodies: in the standard library (compression.zstd) from Python 3.14 on.
+  ++ lib.optionals (pythonOlder "3.14") [ backports-zstd ];
 
   # GPU hosts only: with these installed, transformers sends Qwen3.5's linear attention to
   # triton kernels even for CPU tensors. The service (nix/service.nix) adds them; the CPU test
