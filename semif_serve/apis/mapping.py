@@ -56,6 +56,11 @@ def content_text(content: Any, where: str) -> str:
     raise InvalidRequest(f"{where}: must be a string, object or array, got {type_name(content)}")
 
 
+def described(content: Any, fallback: str, where: str) -> str:
+    """An option's description: `fallback` when it is null or empty, else `content_text`."""
+    return fallback if content is None or content == "" else content_text(content, where)
+
+
 def instructions_text(content: Any, where: str) -> str:
     """A question's criterion; missing, null or blank is refused."""
     if content is None:

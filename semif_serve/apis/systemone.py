@@ -25,6 +25,7 @@ from semif_serve.apis.mapping import (
     check_question_count,
     confidence,
     content_text,
+    described,
     expected_score,
     instructions_text,
     readout,
@@ -102,8 +103,7 @@ def _question(name: str, question: Any) -> Question:
         check_option_count(len(criteria), f"{where}.criteria", "choices")
         labels = tuple(criteria)
         descriptions = tuple(
-            content_text(text_or_none, f"{where}.criteria.{label}") if text_or_none else label
-            for label, text_or_none in criteria.items()
+            described(text, label, f"{where}.criteria.{label}") for label, text in criteria.items()
         )
         fields = tuple(f"criteria.{label}" for label in labels)
         return Question(name, kind, labels, Mapped(where, text, descriptions, fields))
@@ -125,8 +125,8 @@ def _noul(where: str, text: str, criteria: Any) -> Mapped:
     return yes_no(
         where,
         text,
-        content_text(yes, f"{where}.criteria.true") if yes else YES,
-        content_text(no, f"{where}.criteria.false") if no else NO,
+        described(yes, YES, f"{where}.criteria.true"),
+        described(no, NO, f"{where}.criteria.false"),
     )
 
 
