@@ -310,6 +310,20 @@ def parse_aliases(text: str | None) -> Mapping[str, str]:
     return MappingProxyType(aliases)
 
 
+def check_alias_targets(aliases: Mapping[str, str], model_ids: list[str]) -> None:
+    """Every alias names a model of the startup registry, and none is itself a model's id (a
+    registered id always names that model)."""
+    name = "SEMIF_MODEL_ALIASES"
+    known = ", ".join(model_ids)
+    for alias, model in aliases.items():
+        if alias in model_ids:
+            raise ConfigError(f"{name}: {alias!r} is a registered model's own id (models: {known})")
+        if model not in model_ids:
+            raise ConfigError(
+                f"{name}: {alias!r} names {model!r}, which is not a registered model ({known})"
+            )
+
+
 def parse_bind(text: str) -> str:
     host, separator, port = text.rpartition(":")
     if not separator or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:

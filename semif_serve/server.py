@@ -21,7 +21,7 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 
 from semif_serve import native_memory
-from semif_serve.config import Settings
+from semif_serve.config import Settings, check_alias_targets
 from semif_serve.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, ServingLimits
 
 __all__ = ["EXIT_CUT_OFF", "GUNICORN_ERROR_CODES", "gunicorn_options", "run"]
@@ -121,6 +121,7 @@ def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None 
         specs, default_id = load_models_file(settings.models_file, settings)
     else:
         specs, default_id = [default_spec(settings)], "default"
+    check_alias_targets(settings.model_aliases, [spec.id for spec in specs])
     shared_lock = threading.Lock() if settings.parallel_slots is None else None
     prefix_cache = PrefixCache(int(settings.prefix_cache_gib * GIB))  # one budget, every model
     factory = engine_factory or (

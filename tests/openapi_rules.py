@@ -46,6 +46,8 @@ def deployment_values(health: dict[str, Any], models: dict[str, Any]) -> dict[st
         "workloads": {"enum": workloads} if workloads else {"not": {}},
         "max_decisions": {"maxItems": health["max_decisions"]},
         "model_ids": {"enum": sorted(model["id"] for model in models["models"])},
+        # /v1/systemone and /v1/decisions: every model id and every alias (SEMIF_MODEL_ALIASES).
+        "model_names": {"enum": sorted(entry["id"] for entry in models["data"])},
     }
 
 
@@ -115,11 +117,106 @@ def integer_literals(body: Body, health: dict[str, Any]) -> bool:
     return not any(isinstance(body.get(key), float) for key in INTEGER_FIELDS)
 
 
+# -- /v1/systemone and /v1/decisions (docs/decision-apis.md) -----------------------------------
+
+
+def _questions(body: Body, kind: str) -> list[Body]:
+    """The questions of type `kind` of a /v1/systemone body (by name) or a /v1/decisions body."""
+    questions = body.get("questions")
+    listed = questions.values() if isinstance(questions, dict) else questions or []
+    return [question for question in listed if question.get("type") == kind]
+
+
+def choice_name_describes_itself(body: Body, health: dict[str, Any]) -> bool:
+    """choice-name-describes-itself: a System One choice without a description (null or `""`)
+    is described by its name, which must then be non-blank."""
+    return all(
+        name.strip() or description not in (None, "")
+        for question in _questions(body, "choice")
+        for name, description in question["criteria"].items()
+    )
+
+
+def unique_choice_values(body: Body, health: dict[str, Any]) -> bool:
+    """unique-choice-values: no two choices of a Decisions question share a value; `"true"` and
+    `true` are different values."""
+    for question in _questions(body, "choice"):
+        typed = [(type(choice["value"]), choice["value"]) for choice in question["choices"]]
+        if len(set(typed)) != len(typed):
+            return False
+    return True
+
+
+def choice_value_describes_itself(body: Body, health: dict[str, Any]) -> bool:
+    """choice-value-describes-itself: a Decisions choice without a description (missing, null,
+    empty) is described by its value's text, so a string value must then be non-blank."""
+    return all(
+        choice.get("description") or not isinstance(choice["value"], str) or choice["value"].strip()
+        for question in _questions(body, "choice")
+        for choice in question["choices"]
+    )
+
+
+TOOL_OUTPUTS = {
+    "function_call_output": "function_call",
+    "custom_tool_call_output": "custom_tool_call",
+}
+
+
+def tool_output_follows_its_call(body: Body, health: dict[str, Any]) -> bool:
+    """tool-output-follows-its-call: each tool output's call_id names an earlier call of its
+    kind, the latest item with that call_id being one."""
+    if not isinstance(body["input"], list):
+        return True
+    latest: dict[str, str] = {}  # call_id -> the type of the latest call with it
+    for item in body["input"]:
+        kind = item.get("type", "message")
+        if kind in TOOL_OUTPUTS.values():
+            latest[item["call_id"]] = kind
+        elif kind in TOOL_OUTPUTS and latest.get(item["call_id"]) != TOOL_OUTPUTS[kind]:
+            return False
+    return True
+
+
+def rendered_depth(item: Any) -> int:
+    """Levels of arrays/objects one input item takes in the state docs/decision-apis.md renders:
+    a message `{"role", "content"}`, a tool call flat, a tool output `{..., "output"}`; content
+    or an output of parts is the list of their renderings (one part: itself), a text part its
+    string, `input_json` its data, a refusal `{"refusal": text}`."""
+    kind = item.get("type", "message")
+    if kind in ("function_call", "custom_tool_call"):
+        return 1
+    content = item["content"] if kind == "message" else item["output"]
+    if isinstance(content, str):
+        return 1
+    parts = [
+        nesting_depth(part["data"]) if part["type"] == "input_json"
+        else 1 if part["type"] == "refusal"
+        else 0
+        for part in content
+    ]  # fmt: skip
+    return 1 + (parts[0] if len(parts) == 1 else 1 + max(parts))
+
+
+def input_depth(body: Body, health: dict[str, Any]) -> bool:
+    """input-depth: the state rendered from `input` nests at most 32 levels."""
+    if not isinstance(body["input"], list):
+        return True
+    return 1 + max(rendered_depth(item) for item in body["input"]) <= INPUT_MAX_DEPTH
+
+
+INPUT_MAX_DEPTH = 32  # the state's limit (docs/openapi.yaml State x-semif-max-depth)
+
 RULE_FILTERS: dict[str, Callable[[Body, dict[str, Any]], bool]] = {
     "unique-option-ids": unique_option_ids,
     "rows-within-max-decisions": rows_within_max_decisions,
     "unique-decision-ids": unique_decision_ids,
     "integer-literals": integer_literals,
+    "choice-name-describes-itself": choice_name_describes_itself,
+    "unique-choice-values": unique_choice_values,
+    "choice-value-describes-itself": choice_value_describes_itself,
+    "tool-output-follows-its-call": tool_output_follows_its_call,
+    "input-depth": input_depth,
 }
 # Rules that need no filter against the fake scorer, and why.
 RULES_WITHOUT_FILTER = {

@@ -18,8 +18,9 @@ port: `127.0.0.1:8471` becomes the test server's.
 - A Python block runs with this interpreter and must exit 0 with no traceback.
 
 The server has what the examples that say so in their first lines need: a calibration table
-holding `triage` (SEMIF_CALIBRATION) and an admin token (SEMIF_ADMIN_TOKEN, given to the shell
-as ADMIN_TOKEN).
+holding `triage` (SEMIF_CALIBRATION), an admin token (SEMIF_ADMIN_TOKEN, given to the shell
+as ADMIN_TOKEN) and the SDKs' default model names as aliases of `default`
+(SEMIF_MODEL_ALIASES, docs/decision-apis.md).
 
 A block that cannot run here (`make serve` itself, an install) has the marker
 `<!-- docs-test: skip (why) -->` alone on the line right above its opening fence; Markdown
@@ -43,10 +44,11 @@ from live_server import LiveServer, real_env, semif_serve_command
 from openapi_check import spec, validate_reply
 
 ROOT = Path(__file__).parent.parent
-COVERED = ("README.md", "docs/api.md", "docs/cli.md", "docs/client.md")
+COVERED = ("README.md", "docs/api.md", "docs/cli.md", "docs/client.md", "docs/decision-apis.md")
 SKIP_MARKER = "<!-- docs-test: skip"
 DOC_ADDRESS = "127.0.0.1:8471"
 ADMIN_TOKEN = "a" * 40
+ALIASES = "jev-latest=default,gpt-6-luna=default"  # the two SDKs' default model names
 STATUS_LINE = re.compile(r"\n?@@curl (?P<method>\S+) (?P<url>\S+) (?P<code>\d{3})@@\n")
 # Every curl prints its method, URL and status after its body, so the body can be cut out.
 CURL_SHIM = "curl() { command curl -sS -w '\\n@@curl %{method} %{url_effective} %{http_code}@@\\n' \"$@\"; }\n"
@@ -204,7 +206,12 @@ def docs_server(tmp_path_factory, builtin_cache, smollm2):
         (folder / name).symlink_to(ROOT / name)
     calibration = folder / "calibration.json"
     calibration.write_text('{"triage": 1.23}\n')
-    env = real_env(builtin_cache, SEMIF_CALIBRATION=str(calibration), SEMIF_ADMIN_TOKEN=ADMIN_TOKEN)
+    env = real_env(
+        builtin_cache,
+        SEMIF_CALIBRATION=str(calibration),
+        SEMIF_ADMIN_TOKEN=ADMIN_TOKEN,
+        SEMIF_MODEL_ALIASES=ALIASES,
+    )
     with LiveServer(semif_serve_command(), env, folder / "server.log") as server:
         yield server, folder
 

@@ -51,6 +51,8 @@ def test_the_documented_routes_are_the_apps_routes():
         ("/v1/models/{model_id}", "PUT"),
         ("/v1/models/{model_id}/unload", "POST"),
         ("/v1/models/unload", "POST"),
+        ("/v1/systemone", "POST"),
+        ("/v1/decisions", "POST"),
         ("/v1/models/{model_id}", "PARAMETERS"),
         ("/v1/models/{model_id}/unload", "PARAMETERS"),
     }
@@ -84,13 +86,76 @@ CASES = [
 ]
 
 
+NOUL = {"type": "noul", "instructions": "Is it open?"}
+PREDICATE = {"type": "predicate", "name": "open", "instructions": "The door is open."}
+CASES += [
+    (
+        "/v1/systemone",
+        {
+            "model": "jev-latest",
+            "state": {"door": "open"},
+            "questions": {
+                "open": NOUL,
+                "sides": {**NOUL, "criteria": {"true": {"open": True}, "false": None}},
+                "tone": {"type": "choice", "instructions": ["q"], "criteria": {"A": None, "b": "B"}},
+                "level": {"type": "score", "instructions": {"q": 1}, "criteria": ["A", {"x": 1}, "C"]},
+            },
+            "assets": None,
+            "timeout_s": 30,
+        },
+    ),
+    ("/v1/systemone", {"state": "s", "questions": {"": {**NOUL, "criteria": {}}}, "model": None}),
+    ("/v1/decisions", {"model": "default", "input": "The door is open.", "questions": [PREDICATE]}),
+    (
+        "/v1/decisions",
+        {
+            "model": "gpt-6-luna",
+            "input": [
+                {"role": "system", "content": "Front desk."},
+                {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "Door?", "prompt_cache_breakpoint": {"mode": "explicit"}},
+                    {"type": "input_json", "data": {"door": "open"}},
+                ]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}], "phase": "final_answer"},
+                {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}", "id": "fc_1"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "open"}]},
+                {"type": "custom_tool_call", "call_id": "c2", "name": "sh", "input": "ls", "namespace": "tools"},
+                {"type": "custom_tool_call_output", "call_id": "c2", "output": "door.txt"},
+            ],
+            "questions": [
+                PREDICATE,
+                {"type": "choice", "instructions": [{"type": "input_text", "text": "Which?"}],
+                 "choices": [{"value": "A"}, {"value": True, "description": "B"}, {"value": "true", "description": ""}]},
+                {"type": "score", "name": None, "instructions": "How much?",
+                 "levels": [{"label": "A"}, {"label": "high", "description": "very"}]},
+            ],
+            "prompt_cache_key": "k",
+            "prompt_cache_options": {"mode": "explicit", "ttl": "30m"},
+            "safety_identifier": None,
+        },
+    ),
+]  # fmt: skip
+ECOSYSTEM = {"model_aliases": {"jev-latest": "default", "gpt-6-luna": "default"}}
+
+
 @pytest.mark.parametrize(("path", "body"), CASES)
 def test_successful_requests_and_replies_match_the_schemas(path, body):
     validate_request(path, body)
-    app, _ = fake_app(FakeScorer(base={"A": 1.0}), calibration={"triage": 1.3})
+    app, _ = fake_app(FakeScorer(base={"A": 1.0}), calibration={"triage": 1.3}, **ECOSYSTEM)
     response = testing.TestClient(app).simulate_post(path, json=body, headers=AUTH)
-    assert response.status_code == 200
+    assert response.status_code == 200, response.json
     validate_reply(path, "POST", 200, response.json)
+
+
+def test_the_model_list_matches_its_schema():
+    app, _ = fake_app(**ECOSYSTEM)
+    response = testing.TestClient(app).simulate_get("/v1/models", headers=AUTH)
+    validate_reply("/v1/models", "GET", 200, response.json)
+    assert [entry["id"] for entry in response.json["data"]] == [
+        "default",
+        "jev-latest",
+        "gpt-6-luna",
+    ]
 
 
 def test_health_matches_its_schema():
@@ -107,6 +172,53 @@ def test_error_replies_match_the_envelope(headers, body, status):
     response = testing.TestClient(app).simulate_post("/decide", json=body, headers=headers)
     assert response.status_code == status
     validate_reply("/decide", "POST", status, response.json)
+
+
+SEVENTEEN = [{"value": str(k)} for k in range(17)]
+
+
+@pytest.mark.parametrize("path", ["/v1/systemone", "/v1/decisions"])
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "param"),
+    [
+        ({}, {}, 401, None),
+        (AUTH, {"model": "nope"}, 404, None),
+        (AUTH, "x" * 2000, 413, None),
+        (AUTH, {"unknown": 1}, 422, None),
+        ({**AUTH, "Content-Encoding": "br"}, {}, 415, None),
+        ({**AUTH, "Content-Encoding": "gzip"}, {}, 400, None),
+    ],
+)
+def test_ecosystem_error_replies_carry_openai_type_and_param(path, headers, body, status, param):
+    app, _ = fake_app(max_body_bytes=1000)
+    if body == {"model": "nope"}:
+        body = (
+            {"model": "nope", "state": "s", "questions": {"q": NOUL}}
+            if path == "/v1/systemone"
+            else {"model": "nope", "input": "s", "questions": [PREDICATE]}
+        )
+    response = testing.TestClient(app).simulate_post(path, json=body, headers=headers)
+    assert response.status_code == status, response.json
+    validate_reply(path, "POST", status, response.json)
+    assert response.json["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/systemone", {"state": "s", "questions": {"q": {"type": "choice", "instructions": "q", "criteria": {str(k): None for k in range(17)}}}}, "questions.q.criteria"),
+        ("/v1/decisions", {"input": "s", "questions": [{"type": "choice", "instructions": "q", "choices": SEVENTEEN}]}, "questions[0].choices"),
+    ],
+)  # fmt: skip
+def test_more_than_16_options_is_option_count_unsupported(path, body, param):
+    with pytest.raises(ValidationError):
+        validate_request(path, body)
+    app, _ = fake_app()
+    response = testing.TestClient(app).simulate_post(path, json=body, headers=AUTH)
+    assert response.status_code == 422
+    validate_reply(path, "POST", 422, response.json)
+    assert response.json["error"]["code"] == "option_count_unsupported"
+    assert response.json["error"]["param"] == param
 
 
 def test_the_documented_limits_are_the_servers():
@@ -163,6 +275,22 @@ def shared(*decisions, **extra):
     return {"state": "s", "decisions": list(decisions), **extra}
 
 
+def system_one_choice(criteria):
+    question = {"type": "choice", "instructions": "q", "criteria": criteria}
+    return {"state": "s", "questions": {"c": question}}
+
+
+def decisions_choice(*choices):
+    return {
+        "input": "s",
+        "questions": [{"type": "choice", "instructions": "q", "choices": list(choices)}],
+    }
+
+
+def decisions_input(*items):
+    return {"input": list(items), "questions": [PREDICATE]}
+
+
 def same_option_ids(body):
     body["options"] = [{"id": "o", "description": "A"}, {"id": "o", "description": "B"}]
     return body
@@ -193,12 +321,29 @@ BROKEN_RULES = [
     ("all-at-most-4-options", "/decide/shared", shared(decision("a", tuple("ABCDE"), orderings="all")), True),
     ("workload-without-orderings", "/decide", row(workload="triage", orderings="rotations"), True),
     ("workload-without-orderings", "/decide/shared", shared(decision("a", orderings="rotations"), workload="triage"), True),
+    ("state-depth", "/v1/systemone", {"state": [DEEPEST_STATE], "questions": {"q": NOUL}}, False),
+    ("choice-name-describes-itself", "/v1/systemone", system_one_choice({" ": None, "b": "B"}), False),
+    ("choice-name-describes-itself", "/v1/systemone", system_one_choice({"": "", "b": "B"}), False),
+    ("unique-choice-values", "/v1/decisions", decisions_choice({"value": "a"}, {"value": "a", "description": "x"}), False),
+    ("unique-choice-values", "/v1/decisions", decisions_choice({"value": False}, {"value": False}), False),
+    ("choice-value-describes-itself", "/v1/decisions", decisions_choice({"value": " "}, {"value": "b"}), False),
+    ("choice-value-describes-itself", "/v1/decisions", decisions_choice({"value": "", "description": ""}, {"value": "b"}), False),
+    ("tool-output-follows-its-call", "/v1/decisions", decisions_input({"type": "function_call_output", "call_id": "c", "output": "x"}), False),
+    (
+        "tool-output-follows-its-call", "/v1/decisions",
+        decisions_input(
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": ""},
+            {"type": "custom_tool_call_output", "call_id": "c", "output": "x"},
+        ),
+        False,
+    ),
+    ("input-depth", "/v1/decisions", decisions_input({"role": "user", "content": [{"type": "input_json", "data": [DEEPEST_STATE]}]}), False),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("rule", "path", "body", "in_json_schema"), BROKEN_RULES)
 def test_every_documented_cross_field_rule_is_enforced(rule, path, body, in_json_schema):
-    method = "post" if path.startswith("/decide") else "put"
+    method = "put" if path.startswith("/v1/models") else "post"
     if in_json_schema:
         with pytest.raises(ValidationError):
             validate_request(path, body, method)

@@ -1,9 +1,11 @@
 """schemathesis over docs/openapi.yaml against a live server with the fake scorer (issue 13).
 
 The server: tests/serve_fake.py under gunicorn on 127.0.0.1, with a calibration table (so
-`workload` has names to draw), an admin token, and the parallel runtime (so `slots` in a model
-table is valid, as the document describes). The document's `x-semif-deployment` values are filled
-in from this server's /health and /v1/models (openapi_rules.deployment_document).
+`workload` has names to draw), an admin token, the parallel runtime (so `slots` in a model
+table is valid, as the document describes) and two model aliases (so `/v1/systemone` and
+`/v1/decisions` draw their `model` from ids and aliases). The document's `x-semif-deployment`
+values are filled in from this server's /health and /v1/models
+(openapi_rules.deployment_document).
 
 The schemathesis CLI (the version pinned in pyproject's dev extra) then runs every operation, the
 management calls included (with the admin token), with valid and invalid requests generated
@@ -38,6 +40,7 @@ from openapi_rules import (
 
 ADMIN_TOKEN = "a" * 40
 CALIBRATION = {"triage": 1.3, "routing": 0.7}
+ALIASES = "jev-latest=default,gpt-6-luna=default"
 FUZZ_EXAMPLES = 15  # per operation; the coverage phase adds its own fixed cases
 RUN_TIMEOUT_S = 300
 TESTS = Path(__file__).parent
@@ -100,6 +103,7 @@ def schemathesis_runs(tmp_path_factory):
         "SEMIF_CALIBRATION": str(calibration),
         "SEMIF_ADMIN_TOKEN": ADMIN_TOKEN,
         "SEMIF_PARALLEL_SLOTS": "2",
+        "SEMIF_MODEL_ALIASES": ALIASES,
     }
     with fake_server(folder, **env) as server:
         status, health, _ = server.request("GET", "/health")
@@ -160,12 +164,12 @@ def test_schemathesis_finds_no_failure(schemathesis_runs):
 def test_every_operation_got_valid_requests_through(schemathesis_runs):
     """Each operation was tested, and the filters left each with valid requests that got a 200."""
     tested = sum(report["operations"]["tested"] for report, _ in schemathesis_runs.values())
-    assert tested == 8
+    assert tested == 10
     accepted: dict[str, int] = {}
     for report, _ in schemathesis_runs.values():
         for operation, phases in report["valid_rates"].items():
             accepted[operation] = sum(phase["accepted"] for phase in phases.values())
-    assert len(accepted) == 8 and min(accepted.values()) >= 1, accepted
+    assert len(accepted) == 10 and min(accepted.values()) >= 1, accepted
 
 
 def test_every_documented_rule_has_a_filter_or_a_reason():
@@ -183,6 +187,43 @@ def decision(id, options=("a", "b"), **extra):
 
 
 HEALTH = {"max_decisions": 8, "workloads": {"triage": 1.3}}
+
+
+def choice(criteria):
+    return {
+        "state": "s",
+        "questions": {"c": {"type": "choice", "instructions": "q", "criteria": criteria}},
+    }
+
+
+def choices(*listed):
+    question = {"type": "choice", "instructions": "q", "choices": list(listed)}
+    return {"input": "s", "questions": [question]}
+
+
+def items(*listed):
+    return {"input": list(listed), "questions": [{"type": "predicate", "instructions": "q"}]}
+
+
+def call(kind, call_id):
+    field = "arguments" if kind == "function_call" else "input"
+    return {"type": kind, "call_id": call_id, "name": "f", field: "{}"}
+
+
+def output(kind, call_id):
+    return {"type": kind, "call_id": call_id, "output": "42"}
+
+
+def nested(depth):
+    """An object `depth` levels deep."""
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+def json_message(*datas):
+    return {"role": "user", "content": [{"type": "input_json", "data": data} for data in datas]}
 
 
 @pytest.mark.parametrize(
@@ -226,6 +267,65 @@ HEALTH = {"max_decisions": 8, "workloads": {"triage": 1.3}}
         ("integer-literals", {"source": "s", "max_tokens": 5, "keep_alive_s": 5.0}, True),
         ("integer-literals", {"source": "s", "max_tokens": 5.0}, False),
         ("integer-literals", {"source": "s", "slots": 2.0}, False),
+        ("choice-name-describes-itself", choice({"a": None, "b": "B"}), True),
+        ("choice-name-describes-itself", choice({" ": "described", "b": None}), True),
+        ("choice-name-describes-itself", choice({" ": None, "b": "B"}), False),
+        ("choice-name-describes-itself", choice({"": "", "b": "B"}), False),
+        ("choice-name-describes-itself", choice({"": {}, "b": "B"}), True),  # described as {}
+        ("unique-choice-values", choices({"value": "a"}, {"value": "b"}), True),
+        ("unique-choice-values", choices({"value": "true"}, {"value": True}), True),
+        (
+            "unique-choice-values",
+            choices({"value": "a"}, {"value": "a", "description": "x"}),
+            False,
+        ),
+        ("unique-choice-values", choices({"value": False}, {"value": False}), False),
+        (
+            "choice-value-describes-itself",
+            choices({"value": " ", "description": "x"}, {"value": False}),
+            True,
+        ),
+        ("choice-value-describes-itself", choices({"value": " "}, {"value": "b"}), False),
+        (
+            "choice-value-describes-itself",
+            choices({"value": "", "description": ""}, {"value": "b"}),
+            False,
+        ),
+        (
+            "choice-value-describes-itself",
+            choices({"value": "a", "description": None}, {"value": ""}),
+            False,
+        ),
+        ("tool-output-follows-its-call", {"input": "text", "questions": []}, True),
+        (
+            "tool-output-follows-its-call",
+            items(call("function_call", "c"), output("function_call_output", "c")),
+            True,
+        ),
+        (
+            "tool-output-follows-its-call",
+            items(output("function_call_output", "c"), call("function_call", "c")),
+            False,
+        ),
+        (
+            "tool-output-follows-its-call",
+            items(call("function_call", "c"), output("custom_tool_call_output", "c")),
+            False,
+        ),
+        (
+            "tool-output-follows-its-call",
+            items(
+                call("function_call", "c"),
+                call("custom_tool_call", "c"),
+                output("function_call_output", "c"),
+            ),
+            False,
+        ),
+        ("input-depth", {"input": "text", "questions": []}, True),
+        ("input-depth", items(json_message(nested(30))), True),  # [{"content": data}]: 2 + 30
+        ("input-depth", items(json_message(nested(31))), False),
+        ("input-depth", items(json_message(nested(29), {})), True),  # content a list: 3 + 29
+        ("input-depth", items(json_message(nested(30), {})), False),
     ],
 )
 def test_each_rule_filter_drops_exactly_the_bodies_that_break_its_rule(rule, body, keep):
@@ -265,17 +365,26 @@ def test_each_operation_gets_the_filters_of_the_rules_its_body_carries():
     }  # fmt: skip
     assert rules("/v1/models/{model_id}", "put") == {"integer-literals"}
     assert rules("/v1/models/unload", "post") == set()
+    assert rules("/v1/systemone", "post") == {"choice-name-describes-itself", "state-depth"}
+    assert rules("/v1/decisions", "post") == {
+        "unique-choice-values", "choice-value-describes-itself", "tool-output-follows-its-call",
+        "input-depth",
+    }  # fmt: skip
 
 
 def test_the_deployment_values_come_from_the_server():
-    models = {"models": [{"id": "default"}, {"id": "small"}]}
+    models = {
+        "models": [{"id": "default"}, {"id": "small"}],
+        "data": [{"id": "default"}, {"id": "small"}, {"id": "jev-latest", "alias_of": "small"}],
+    }
     filled = deployment_document(spec(), HEALTH, models)
     schemas = filled["components"]["schemas"]
     assert schemas["Workload"]["enum"] == ["triage"]
     assert schemas["ModelId"]["enum"] == ["default", "small"]
+    assert schemas["ModelName"]["enum"] == ["default", "jev-latest", "small"]
     assert schemas["DecideSharedRequest"]["properties"]["decisions"]["maxItems"] == 8
     assert "enum" not in spec()["components"]["schemas"]["Workload"]  # the original is untouched
     without_table = deployment_document(spec(), {**HEALTH, "workloads": {}}, models)
     assert without_table["components"]["schemas"]["Workload"]["not"] == {}
     names = {s["x-semif-deployment"] for s in walk(spec()) if "x-semif-deployment" in s}
-    assert names == {"workloads", "max_decisions", "model_ids"}
+    assert names == {"workloads", "max_decisions", "model_ids", "model_names"}

@@ -132,6 +132,8 @@ def _item(item: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise InvalidRequest(f"{where}: must be an object, got {type_name(item)}")
     kind = item.get("type", "message")
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{where}.type: must be a string, got {type_name(kind)}")
     if kind == "message":
         return _message(item, where)
     if kind in TOOL_CALLS:
@@ -159,7 +161,7 @@ def _item(item: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     check_keys(item, MESSAGE_KEYS, where)
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise InvalidRequest(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
     return {"role": role, "content": _content(item.get("content"), f"{where}.content", ROLES[role])}
 
@@ -176,7 +178,7 @@ def _content(content: Any, where: str, allowed: frozenset[str]) -> Any:
 
 def _part(part: Any, where: str, allowed: frozenset[str]) -> Any:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:
         raise InvalidRequest(
             f"{where}: must be a part of type {', '.join(sorted(allowed))}, got {kind!r}"
         )
@@ -210,6 +212,8 @@ def _question(index: int, question: Any) -> Question:
     if not isinstance(question, dict):
         raise InvalidRequest(f"{where}: must be an object with a type")
     kind = question.get("type")
+    if not isinstance(kind, str | None):
+        raise InvalidRequest(f"{where}.type: must be a string, got {type_name(kind)}")
     if kind not in QUESTION_KEYS:
         shown = "missing" if kind is None else f"unknown question type {kind!r}"
         raise InvalidRequest(

@@ -31,6 +31,7 @@ from semif_serve.apis.mapping import (
     readout,
     refuse_image,
     top,
+    type_name,
     yes_no,
 )
 from semif_serve.errors import InvalidRequest
@@ -63,7 +64,7 @@ class Request:
 def parse(body: dict[str, Any]) -> Request:
     """The request as questions over one state; InvalidRequest naming the field otherwise."""
     check_keys(body, REQUEST_KEYS, "body")
-    if body.get("assets"):
+    if body.get("assets") is not None:
         raise refuse_image("assets")
     if "state" not in body:
         raise InvalidRequest("state: missing")
@@ -84,6 +85,8 @@ def _question(name: str, question: Any) -> Question:
     if not isinstance(question, dict):
         raise InvalidRequest(f"{where}: must be an object with a type")
     kind = question.get("type")
+    if not isinstance(kind, str | None):
+        raise InvalidRequest(f"{where}.type: must be a string, got {type_name(kind)}")
     if kind == "box":
         raise InvalidRequest(
             f"{where}: box questions locate things in images, which needs a vision model; "

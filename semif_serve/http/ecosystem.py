@@ -20,6 +20,7 @@ from semif_serve.apis import decisions, systemone
 from semif_serve.apis.mapping import answered, refuse_image
 from semif_serve.errors import ModelNotFound
 from semif_serve.http.body import read_body, read_json_object
+from semif_serve.http.encoding import coding
 from semif_serve.http.resources import accepted_state_key, send_json
 from semif_serve.runtime.service import DecisionService
 from semif_serve.sockets import CLIENT_GONE_KEY
@@ -93,6 +94,7 @@ class SystemOne(_Format):
     def _refuse_attachments(self, req: falcon.Request) -> None:
         # The SDK sends image assets as multipart/form-data, its JSON in the part `request`.
         if (req.content_type or "").lower().startswith("multipart/"):
+            coding(req.get_header("Content-Encoding"))  # an unknown coding is a 415 first
             read_body(req.env, self._limit)  # taken whole, so the connection stays usable
             raise refuse_image("assets")
 
