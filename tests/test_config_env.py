@@ -43,6 +43,7 @@ DEFAULTS = {
     "max_batch_rows": 1,
     "max_batch_tokens": 16384,
     "batch_wait_ms": 0,
+    "model_aliases": {},
 }
 
 # (variable, a valid value other than the default, field, what the field then holds)
@@ -74,6 +75,7 @@ ONE_VARIABLE = [
     ("SEMIF_MAX_BATCH_ROWS", "16", "max_batch_rows", 16),
     ("SEMIF_MAX_BATCH_TOKENS", "4096", "max_batch_tokens", 4096),
     ("SEMIF_BATCH_WAIT_MS", "5", "batch_wait_ms", 5),
+    ("SEMIF_MODEL_ALIASES", "jev-latest=default", "model_aliases", {"jev-latest": "default"}),
 ]
 
 

@@ -378,7 +378,8 @@ def test_a_reply_that_cannot_encode_as_utf_8_is_a_500_envelope_logged_and_counte
 
 
 def without_request_id(headers):
-    return {name: value for name, value in headers.items() if name != "x-request-id"}
+    ids = ("x-request-id", "x-typesafe-request-id")
+    return {name: value for name, value in headers.items() if name not in ids}
 
 
 @pytest.mark.parametrize(("path", "headers"), [("/health", {}), ("/v1/models", AUTH)])

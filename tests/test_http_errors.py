@@ -31,7 +31,12 @@ def test_an_unknown_exception_is_a_logged_500_scoring_failed(caplog):
 
 
 def test_our_errors_carry_their_message_and_headers():
-    assert classify(ServerBusy("full")) == (429, "busy", "full", {"Retry-After": "1"})
+    assert classify(ServerBusy("full")) == (
+        429,
+        "busy",
+        "full",
+        {"Retry-After": "1", "retry-after-ms": "1000"},
+    )
     assert classify(ScoringFailed("broke")) == (500, "scoring_failed", "broke", {})
 
 

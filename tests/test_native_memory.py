@@ -168,13 +168,13 @@ def test_without_a_mapping_the_tensors_stay(monkeypatch):
 
 def test_a_stored_prefix_lives_in_its_own_mapping_and_goes_when_evicted(mappings):
     cache = PrefixCache(cache_bytes(attention_prefix()), min_tokens=1)
-    with cache.resume(MODEL, [1], attention_prefix) as (resumed, hit):
-        assert not hit and len(mappings) == 1
+    with cache.resume(MODEL, [1], attention_prefix) as (resumed, hit, stored):
+        assert not hit and stored and len(mappings) == 1
         [(_, entry)] = cache._entries.items()
         assert resumed.layers[0].keys is entry.cache.layers[0].keys  # the working copy shares it
     del resumed, entry
-    with cache.resume(MODEL, [2], attention_prefix) as (_, hit):  # evicts [1]
-        assert not hit
+    with cache.resume(MODEL, [2], attention_prefix) as (_, hit, stored):  # evicts [1]
+        assert not hit and stored
     gc.collect()
     assert [mapping() is None for mapping in mappings] == [True, False]
 

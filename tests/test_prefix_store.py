@@ -177,6 +177,24 @@ def test_a_stored_miss_resumes_from_a_copy_and_the_entry_stays():
     assert (entry.model, entry.nbytes, entry.pins) == (MODEL, ENTRY, 0)
 
 
+def test_resume_says_whether_this_call_stored_the_prefix():
+    """(cache, hit, stored): only the miss that stored the entry says stored (usage's
+    cache_write_tokens); a hit, a short prefix, no budget or a prefix too big to keep never do."""
+
+    def flags(cache, ids, tokens=4):
+        with cache.resume(MODEL, ids, lambda: stored_prefix(tokens)) as (_, hit, wrote):
+            return hit, wrote
+
+    cache = PrefixCache(ENTRY, min_tokens=2)
+    assert flags(cache, [1, 2]) == (False, True)
+    assert flags(cache, [1, 2]) == (True, False)
+    assert flags(cache, [1]) == (False, False)  # shorter than min_tokens
+    assert flags(cache, [3, 4], tokens=5) == (False, False)  # over the budget: not stored
+    assert flags(PrefixCache(0, min_tokens=1), [1]) == (False, False)
+    assert flags(cache, [5, 6]) == (False, True)  # evicts [1, 2] to store it
+    assert flags(cache, [1, 2]) == (False, True)
+
+
 # -- the budget: room check and LRU eviction -----------------------------------------------------
 
 
