@@ -94,13 +94,15 @@ def _gzip_frame(data: bytes, output: _Output) -> bytes:
     decoder = zlib.decompressobj(wbits=GZIP_WBITS)
     try:
         chunk = decoder.decompress(data, output.room)
-        while True:
+        # Each pass reads input or writes output, so this many passes always reach the end.
+        for _ in range(len(data) + output.room):
             output.keep(chunk)
             if decoder.eof:
                 return decoder.unused_data
             tail = decoder.unconsumed_tail
             chunk = decoder.decompress(tail, output.room)
             if not chunk and not tail and not decoder.eof:
-                raise output.truncated()
+                break
     except zlib.error as error:
         raise output.damaged(error) from None
+    raise output.truncated()
