@@ -11,6 +11,7 @@ before it tears anything down.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from semif_serve.engine import Engine
@@ -186,12 +187,15 @@ def build_engine(
 
     try:
         warm_up = engine.score(parse_row(WARM_UP_ROW))
+        check_finite_warm_up(warm_up, spec)
         shapes = warm_up_shapes(
             scoring_model,
             max_tokens=spec.max_tokens,
             max_rows=settings.max_decisions,
             lock=lock,  # the process-wide lock, taken per shape (INV-2 during a load beside)
         )
+    except StartupError:
+        raise
     except Exception as error:
         raise StartupError(f"the warm-up decision failed: {error}") from error
     if shapes is not None:  # every shape ran (CUDA): the peak is the largest shape's, reached
@@ -225,6 +229,30 @@ def build_engine(
     engine.capacity_for = lambda max_tokens: derive_capacity(free, baseline, per_token * max_tokens)
     engine.max_parallel_slots = engine.capacity_for(spec.max_tokens)
     return engine
+
+
+SCORE_FIELDS = ("probabilities", "option_logits")
+
+
+def non_finite_scores(result: dict[str, Any]) -> list[str]:
+    """The scores of a scorer result that are NaN or infinite, e.g. `probabilities[0]=nan`."""
+    return [
+        f"{name}[{index}]={value!r}"
+        for name in SCORE_FIELDS
+        for index, value in enumerate(result.get(name) or ())
+        if not math.isfinite(value)
+    ]
+
+
+def check_finite_warm_up(result: dict[str, Any], spec: Any) -> None:
+    """Fail closed on a model whose warm-up scores are not numbers (corrupt weights: a few KB of
+    0xFF in a tensor make NaN): served, every reply would be a 500."""
+    bad = non_finite_scores(result)
+    if bad:
+        raise StartupError(
+            f"model {spec.id!r} ({spec.source}): the warm-up decision's scores are not finite "
+            f"({', '.join(bad)}); its weights may be corrupt"
+        )
 
 
 def resident_difference(reserved_after: int, reserved_before: int, stored: int) -> int:

@@ -256,7 +256,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from semif_serve.server import run
 
-    run(settings)
+    try:
+        run(settings)
+    except ConfigError as error:  # SEMIF_STATE_DIR, checked as the server starts
+        print(f"semif-serve: error: {one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

@@ -6,6 +6,7 @@ start (contract "Configuration (env)", bug hunt C1, S1, S2, S8). Nothing here im
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import os
@@ -82,6 +83,9 @@ class Settings:
     batch_wait_ms: int = 0  # how long a batch waits for more requests; 0: never
     # SEMIF_MODEL_ALIASES: names the ecosystem routes accept for a registered model (jev-latest)
     model_aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # SEMIF_STATE_DIR: where management changes are kept for the next worker (None: a private
+    # folder for this server's run only; semif_serve/management_state.py)
+    state_dir: Path | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -105,8 +109,9 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
     if dtype not in DTYPES:
         raise ConfigError(f"SEMIF_DTYPE: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model = _nonempty(env, "SEMIF_MODEL", DEFAULT_MODEL)
+    api_token = parse_token(env.get("SEMIF_API_TOKEN"))
     return Settings(
-        api_token=parse_token(env.get("SEMIF_API_TOKEN")),
+        api_token=api_token,
         model=model,
         revision=parse_revision(env, model),
         device=device,
@@ -124,7 +129,7 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         parallel_slots=parse_slot_count(env.get("SEMIF_PARALLEL_SLOTS")),
         models_file=env.get("SEMIF_MODELS_FILE") or None,
         queue_timeout_s=parse_seconds(env, "SEMIF_QUEUE_TIMEOUT_S"),
-        admin_token=parse_admin_token(env.get("SEMIF_ADMIN_TOKEN")),
+        admin_token=parse_admin_token(env.get("SEMIF_ADMIN_TOKEN"), api_token),
         max_loaded_models=(
             parse_limit(env, "SEMIF_MAX_LOADED_MODELS", 0, MAX_LOADED_MODELS_LIMIT) or None
         ),
@@ -142,6 +147,7 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         ),
         batch_wait_ms=parse_wait_ms(env, "SEMIF_BATCH_WAIT_MS"),
         model_aliases=parse_aliases(env.get("SEMIF_MODEL_ALIASES")),
+        state_dir=Path(env["SEMIF_STATE_DIR"]) if env.get("SEMIF_STATE_DIR") else None,
     )
 
 
@@ -277,14 +283,21 @@ def parse_slot_count(text: str | None) -> int | None:
     return value
 
 
-def parse_admin_token(token: str | None) -> str | None:
-    """Unset: every management call is refused. Set: the same rules as SEMIF_API_TOKEN."""
+def parse_admin_token(token: str | None, api_token: str) -> str | None:
+    """Unset: every management call is refused. Set: the same rules as SEMIF_API_TOKEN, and never
+    the API token itself (every caller would then be an admin)."""
     if token is None:
         return None
     try:
-        return parse_token(token)
+        parse_token(token)
     except ConfigError as error:
         raise ConfigError(str(error).replace("SEMIF_API_TOKEN", "SEMIF_ADMIN_TOKEN")) from None
+    if hmac.compare_digest(token.encode(), api_token.encode()):
+        raise ConfigError(
+            "SEMIF_ADMIN_TOKEN: must differ from SEMIF_API_TOKEN (with the same value every "
+            "caller holding the API token could register, reconfigure and unload models)"
+        )
+    return token
 
 
 ALIAS = re.compile(r"[!-~]{1,128}")  # visible ASCII: what an SDK's model string can carry

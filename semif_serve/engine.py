@@ -1,4 +1,4 @@
-"""`Engine`: the one object that runs scorer calls, one at a time, and owns the memory policy.
+"""`Engine`: the one object that runs scorer calls, one at a time, and applies the memory policy.
 
 It holds the process-wide lock (INV-2: scorer calls never overlap) and the failure policy
 (INV-4, bug hunt C4, C5, S9):
@@ -8,6 +8,8 @@ It holds the process-wide lock (INV-2: scorer calls never overlap) and the failu
   "out of memory") becomes `OutOfMemory` (503), reported as "CUDA out of memory" when the error
   came with no message;
 - anything else is logged with its traceback and becomes `ScoringFailed` (500).
+What runs again after an out-of-memory error is `oom_policy`'s (a batch is split first; a single
+request may then drop its own model's stored prefixes and run once more without the cache).
 Both are raised *unchained*, after the failed call's frames are gone and `gc.collect()` ran, and
 only then is the allocator cache emptied: a chained exception would keep the failed call's
 tensors alive (on the card, 11.9 GiB stayed allocated after a 503).
@@ -29,9 +31,11 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 from semif_serve.errors import OutOfMemory, ScoringFailed
+from semif_serve.oom_policy import is_out_of_memory, relieved, split
 from semif_serve.scoring.inputs import Batched
 from semif_serve.scoring.rows import Row, RowError
 
@@ -98,22 +102,50 @@ class Engine:
         return self._prepared("prepare_shared", rows)
 
     def score(self, row: Row) -> dict[str, Any]:
-        return self._call(self._scorer.score, row)
+        return relieved(
+            lambda cached: self._call(self._method("score", cached), row), self._relief()
+        )
 
     def score_shared(self, rows: list[Row]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return self._call(self._scorer.score_shared, rows)
+        return relieved(
+            lambda cached: self._call(self._method("score_shared", cached), rows), self._relief()
+        )
 
     def score_batch(self, items: list[Any]) -> list[Any]:
-        """Several requests' encoded inputs in one locked call (the dynamic batcher's): each
-        one's outcome, in order (`scoring.batched.Batched`: a result, or the exception its own
-        scoring raised). A scorer without a batch step scores them one by one."""
-        return self._call(self._batch_of, items)
+        """Several requests' encoded inputs (a batch): each one's outcome, in order
+        (`scoring.inputs.Batched`: a result, or the exception its own scoring raised; or the
+        exception of the call it was part of), in as few locked calls as memory allows
+        (`oom_policy.split`). A scorer without a batch step scores them one by one."""
+        return split(items, self._batch_call, self._relief())
 
-    def _batch_of(self, items: list[Any]) -> list[Any]:
+    def _batch_call(self, items: list[Any], cached: bool) -> list[Any]:
         batch = getattr(self._scorer, "score_batch", None)
-        if batch is not None:
-            return batch(items)
-        return [self._one(item) for item in items]
+        if batch is None:
+            run = partial(_each, self._one)
+        else:
+            run = batch if cached else partial(batch, cached=False)
+        outcomes = self._call(run, items)
+        if len(outcomes) != len(items):
+            raise ScoringFailed(f"the scorer returned {len(outcomes)} outcomes for {len(items)}")
+        return outcomes
+
+    def _method(self, name: str, cached: bool) -> Callable[[Any], Any]:
+        """The scorer's `name`, without its prefix cache unless `cached` (the policy's retry)."""
+        method = getattr(self._scorer, name)
+        return method if cached else partial(method, cached=False)
+
+    def _relief(self) -> Callable[[str], bool] | None:
+        """The scorer's way to free its own model's stored prefixes for a shortfall, taken
+        under the lock (None: it keeps none, so an out-of-memory error is final)."""
+        relieve = getattr(self._scorer, "relieve", None)
+        if relieve is None:
+            return None
+
+        def locked(message: str) -> bool:
+            with self._lock:
+                return relieve(message)
+
+        return locked
 
     def _one(self, item: Any) -> Any:
         shared = isinstance(item, list)  # a shared call's rows, else one row
@@ -226,19 +258,5 @@ class Engine:
             self._torch.cuda.empty_cache()
 
 
-OOM_MESSAGES = (
-    "out of memory",  # CUDA, cuBLAS, cuDNN
-    "can't allocate memory",  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate ..."
-)
-
-
-def is_out_of_memory(error: BaseException, torch_module: Any) -> bool:
-    """torch's OOM error, or a RuntimeError (CPU allocator, cuBLAS, cuDNN, CUDA) whose message
-    says so, Python's MemoryError, or an `OutOfMemory` a scorer raised itself."""
-    if isinstance(error, (OutOfMemory, MemoryError)):
-        return True
-    oom_type = getattr(torch_module, "OutOfMemoryError", None)  # torch.cuda's, exported at top
-    if oom_type is not None and isinstance(error, oom_type):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(words in text for words in OOM_MESSAGES)
+def _each(one: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    return [one(item) for item in items]

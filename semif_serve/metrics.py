@@ -65,21 +65,21 @@ class Metrics:
         )
         self.batch_rows = Histogram(
             "semif_batch_rows",
-            "Rows per batch taken (SEMIF_MAX_BATCH_ROWS > 1)",
+            "Rows per forward of a batched engine call (SEMIF_MAX_BATCH_ROWS > 1), as it ran",
             ["model"],
             buckets=BATCH_ROW_BUCKETS,
             registry=self.registry,
         )
         self.batch_tokens = Histogram(
             "semif_batch_tokens",
-            "Padded tokens per batch taken, as SEMIF_MAX_BATCH_TOKENS counts them (rows x longest)",
+            "Tokens per forward of a batched engine call: rows x width as it ran, buckets included",
             ["model"],
             buckets=BATCH_TOKEN_BUCKETS,
             registry=self.registry,
         )
         self.batch_padding = Counter(
             "semif_batch_padding_tokens",
-            "Padding tokens in batches taken, as the budget counts them (less the requests' own)",
+            "Padding tokens in the forwards of batched engine calls (less the prompts' own tokens)",
             ["model"],
             registry=self.registry,
         )
@@ -93,11 +93,13 @@ class Metrics:
         if error == ABANDONED:
             self.abandoned.inc()
 
-    def batch(self, model_id: str, rows: int, padded: int, real: int) -> None:
-        """One batched engine call: its rows, padded tokens and the requests' own tokens."""
-        self.batch_rows.labels(model=model_id).observe(rows)
-        self.batch_tokens.labels(model=model_id).observe(padded)
-        self.batch_padding.labels(model=model_id).inc(padded - real)
+    def batch(self, model_id: str, forwards: list[Any]) -> None:
+        """The forwards one batched engine call ran (`scoring.inputs.Forward`: rows, tokens,
+        the prompts' own tokens), each observed once."""
+        for forward in forwards:
+            self.batch_rows.labels(model=model_id).observe(forward.rows)
+            self.batch_tokens.labels(model=model_id).observe(forward.tokens)
+            self.batch_padding.labels(model=model_id).inc(forward.tokens - forward.real_tokens)
 
     def reply_undelivered(self) -> None:
         self.replies_undelivered.inc()

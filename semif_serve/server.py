@@ -7,25 +7,46 @@ answered while admitted requests wait for the engine; request heads are read wit
 (semif_serve/worker.py). gthread's heartbeat comes from the worker's main loop, so a long scorer
 call never trips gunicorn's timeout. SIGTERM stops accepting at once and lets in-flight requests
 finish within SEMIF_GRACEFUL_TIMEOUT_S; when some were cut off, `run` exits with EXIT_CUT_OFF.
+
+Management changes (PUT, unload) that succeed are written to the management state
+(semif_serve/management_state.py) in SEMIF_STATE_DIR, or in a private folder for this run; a
+worker replays it once its startup models have loaded, so one that gunicorn respawns serves what
+the operator last set. The master notes how each worker ended (`_Arbiter`), and a worker whose
+predecessor died (a signal, or a non-zero exit status) says so in one line with the replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
+import shutil
+import signal
 import sys
+import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
+from gunicorn.arbiter import Arbiter
 
 from semif_serve import native_memory
 from semif_serve.config import Settings, check_alias_targets
+from semif_serve.management_state import (
+    STATE_FILE,
+    ManagementState,
+    configuration_key,
+    own_folder,
+)
+from semif_serve.runtime.registry import Runtime
 from semif_serve.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, ServingLimits
 
 __all__ = ["EXIT_CUT_OFF", "GUNICORN_ERROR_CODES", "gunicorn_options", "run"]
 
+log = logging.getLogger(__name__)
 SPARE_THREADS = 4  # /health, 429 replies and management while every admitted request waits
 WORKER_HEARTBEAT_TIMEOUT_S = 120
 # The worker cuts off what is left at SEMIF_GRACEFUL_TIMEOUT_S and reports it; the master's own
@@ -51,7 +72,7 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
         "worker_connections": settings.max_connections,
         "timeout": WORKER_HEARTBEAT_TIMEOUT_S,
         "graceful_timeout": settings.graceful_timeout_s + MASTER_GRACE_MARGIN_S,
-        "post_fork": lambda arbiter, worker: start_worker(worker, limits),
+        "post_fork": lambda arbiter, worker: forked(arbiter, worker, limits),
         "keepalive": 5,
         "sendfile": False,  # the worker's event loop sends every reply (semif_serve/worker.py)
         "preload_app": False,
@@ -64,6 +85,16 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
     }
 
 
+def forked(arbiter: Any, worker: Any, limits: ServingLimits) -> None:
+    """gunicorn's post_fork hook: `start_worker`, and the worker's heartbeat for the app
+    factory, which beats it between the models it replays (gunicorn's master kills a worker
+    silent for WORKER_HEARTBEAT_TIMEOUT_S, booting or not)."""
+    start_worker(worker, limits)
+    app = getattr(arbiter, "app", None)
+    if isinstance(app, _Gunicorn):
+        app.heartbeat = worker.notify
+
+
 def start_worker(worker: Any, limits: ServingLimits, environ: Any = os.environ) -> None:
     """gunicorn's post_fork hook, in the new worker before it loads anything: its limits, and
     its threads sharing native_memory.ARENAS malloc heaps (docs/performance.md, "Memory bounded
@@ -73,7 +104,57 @@ def start_worker(worker: Any, limits: ServingLimits, environ: Any = os.environ) 
     worker.configure(limits)
 
 
+@dataclass(frozen=True)
+class WorkerEnd:
+    """How a worker process ended, as its parent saw it: a signal, or an exit status."""
+
+    pid: int
+    signal: int | None = None
+    status: int | None = None
+
+    @property
+    def abnormal(self) -> bool:
+        return self.signal is not None or self.status not in (0, None)
+
+    def describe(self) -> str:
+        """`signal 9 SIGKILL`, or `exit status 1`."""
+        if self.signal is None:
+            return f"exit status {self.status}"
+        try:
+            name = signal.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+        return f"signal {self.signal} {name}"
+
+
+def worker_end(pid: int, code: int, value: int) -> WorkerEnd:
+    """A WorkerEnd from waitid's si_code and si_status (CLD_EXITED: an exit status; CLD_KILLED
+    or CLD_DUMPED: the signal)."""
+    if code == os.CLD_EXITED:
+        return WorkerEnd(pid, status=value)
+    return WorkerEnd(pid, signal=value)
+
+
+class _Arbiter(Arbiter):
+    """gunicorn's master, noting how each worker ended before gunicorn reaps it (waitid with
+    WNOWAIT leaves the child to gunicorn's own waitpid): the next worker, forked from this
+    process, finds it in `app.previous_worker`. gunicorn's child_exit hook gets no status."""
+
+    def reap_workers(self) -> None:
+        for pid in list(self.WORKERS) if hasattr(os, "waitid") else ():  # macOS before 3.13
+            try:
+                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if ended is not None:
+                self.app.previous_worker = worker_end(pid, ended.si_code, ended.si_status)
+        super().reap_workers()
+
+
 class _Gunicorn(BaseApplication):
+    previous_worker: WorkerEnd | None = None  # set by _Arbiter in the master; a fork inherits it
+    heartbeat: Callable[[], None] | None = None  # the worker's, set in it by `forked`
+
     def __init__(self, app_factory: Callable[[], Any], options: dict[str, Any]):
         self._app_factory = app_factory
         self._options = options
@@ -86,6 +167,13 @@ class _Gunicorn(BaseApplication):
     def load(self) -> Any:
         configure_logging()
         return self._app_factory()
+
+    def run(self) -> None:  # BaseApplication.run, with _Arbiter
+        try:
+            _Arbiter(self).run()
+        except RuntimeError as error:
+            print(f"\nError: {error}\n", file=sys.stderr, flush=True)
+            sys.exit(1)
 
 
 def configure_logging() -> None:
@@ -105,15 +193,43 @@ def configure_logging() -> None:
     service.setLevel(logging.INFO)
 
 
-def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None = None) -> Any:
-    """The registry: SEMIF_MODELS_FILE's models, or the one `default` model of SEMIF_MODEL.
+class RecordedRuntime(Runtime):
+    """The runtime whose management changes are written to the management state when they
+    succeed (a change that failed is not replayed)."""
 
-    Without SEMIF_PARALLEL_SLOTS every engine shares one process-wide lock (INV-2); every
-    engine shares one state-prefix cache of SEMIF_PREFIX_CACHE_GIB."""
-    import threading
+    def __init__(self, management: ManagementState, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.management = management
 
+    def register(self, model_id: str, table: dict[str, Any]) -> dict[str, Any]:
+        status = super().register(model_id, table)
+        self.management.registered(model_id, table)
+        return status
+
+    def unload(self, model_id: str) -> dict[str, Any]:
+        reply = super().unload(model_id)
+        self.management.unloaded([model_id])
+        return reply
+
+    def bulk_unload(self, model_ids: list[str]) -> dict[str, Any]:
+        reply = super().bulk_unload(model_ids)
+        self.management.unloaded(reply["unloaded"])
+        return reply
+
+
+def build_runtime(
+    settings: Settings,
+    engine_factory: Callable[..., Any] | None = None,
+    state_file: Path | None = None,
+) -> Any:
+    """The registry: SEMIF_MODELS_FILE's models, or the one `default` model of SEMIF_MODEL;
+    with `state_file`, one that records its management changes there (`RecordedRuntime`).
+
+    Without SEMIF_PARALLEL_SLOTS every engine shares one device queue (INV-2: a fair FIFO
+    lock whose waits keep each request's deadline); every engine shares one state-prefix cache
+    of SEMIF_PREFIX_CACHE_GIB."""
     from semif_serve.boot import build_engine, check_source
-    from semif_serve.runtime.registry import Runtime
+    from semif_serve.runtime.device import DeviceQueue
     from semif_serve.runtime.specs import default_spec, load_models_file
     from semif_serve.scoring.prefix_cache import GIB, PrefixCache
 
@@ -122,28 +238,64 @@ def build_runtime(settings: Settings, engine_factory: Callable[..., Any] | None 
     else:
         specs, default_id = [default_spec(settings)], "default"
     check_alias_targets(settings.model_aliases, [spec.id for spec in specs])
-    shared_lock = threading.Lock() if settings.parallel_slots is None else None
+    # Without SEMIF_PARALLEL_SLOTS every model's calls share the device, taken in turn (INV-2).
+    shared_lock = DeviceQueue() if settings.parallel_slots is None else None
     prefix_cache = PrefixCache(int(settings.prefix_cache_gib * GIB))  # one budget, every model
     factory = engine_factory or (
         lambda spec: build_engine(settings, spec, lock=shared_lock, prefix_cache=prefix_cache)
     )
     # The real source check goes only with the real engines; tests' fake factories take any source.
     source_check = None if engine_factory else (lambda spec: check_source(settings, spec))
-    return Runtime(settings, factory, specs, default_id, source_check=source_check)
+    arguments = (settings, factory, specs, default_id)
+    if state_file is None:
+        return Runtime(*arguments, source_check=source_check, device=shared_lock)
+    configuration = configuration_key([dataclasses.asdict(spec) for spec in specs], default_id)
+    management = ManagementState.open(state_file, configuration)
+    return RecordedRuntime(management, *arguments, source_check=source_check, device=shared_lock)
 
 
 RUNTIME: Any = None  # the process-wide runtime, created in the worker; closed at worker exit
 
 
-def production_app(settings: Settings) -> Any:
-    """Load the startup models (fail closed), then build the app. Runs in the worker process."""
+def production_app(
+    settings: Settings,
+    engine_factory: Callable[..., Any] | None = None,
+    previous_worker: WorkerEnd | None = None,
+    heartbeat: Callable[[], None] | None = None,
+) -> Any:
+    """Load the startup models (fail closed), replay the management state (SEMIF_STATE_DIR),
+    then build the app. Runs in the worker process. `engine_factory`: tests' fake engines;
+    `heartbeat`: the worker's, beaten before each replayed model loads."""
     global RUNTIME
     from semif_serve.http import create_app
     from semif_serve.runtime.service import DecisionService
 
-    RUNTIME = build_runtime(settings)
+    state_file = settings.state_dir / STATE_FILE if settings.state_dir else None
+    RUNTIME = build_runtime(settings, engine_factory, state_file)
     RUNTIME.start()
+    if state_file is not None:
+        replay_management(RUNTIME, previous_worker, heartbeat)
     return create_app(DecisionService(RUNTIME, settings), settings)
+
+
+def replay_management(
+    runtime: RecordedRuntime,
+    previous_worker: WorkerEnd | None,
+    heartbeat: Callable[[], None] | None = None,
+) -> None:
+    """Replay the management state, saying so in one line: a warning naming how the previous
+    worker ended when it died (then even with nothing to replay)."""
+    report = runtime.management.replay(runtime.register, runtime.unload, heartbeat)
+    replayed = f"replayed management state ({runtime.management.path}): {report.summary()}"
+    if previous_worker is not None and previous_worker.abnormal:
+        log.warning(
+            "previous worker (pid %d) ended abnormally (%s); %s",
+            previous_worker.pid,
+            previous_worker.describe(),
+            replayed,
+        )
+    elif report.registered or report.unloaded or report.failed:
+        log.info("%s", replayed)
 
 
 def close_runtime(server: Any, worker: Any) -> None:
@@ -152,14 +304,39 @@ def close_runtime(server: Any, worker: Any) -> None:
         RUNTIME.close()
 
 
-def run(settings: Settings, app_factory: Callable[[], Any] | None = None) -> None:
+def run(
+    settings: Settings,
+    app_factory: Callable[[], Any] | None = None,
+    engine_factory: Callable[..., Any] | None = None,
+) -> None:
     """Serve until SIGTERM/SIGINT; exits non-zero when the worker fails to boot, and with
-    EXIT_CUT_OFF when the shutdown grace period cut off requests still in progress."""
-    factory = app_factory or (lambda: production_app(settings))
+    EXIT_CUT_OFF when the shutdown grace period cut off requests still in progress.
+
+    SEMIF_STATE_DIR is checked first (ConfigError naming it); unset, the management state lives
+    in a private folder this process removes when it stops. `engine_factory`: the production
+    app over tests' fake engines."""
+    master = os.getpid()  # the forked worker returns through here too, with its SystemExit
+    folder = own_folder(settings.state_dir) if settings.state_dir else None
+    private = None
+    if folder is None and app_factory is None:  # tests' own apps keep no management state
+        private = Path(tempfile.mkdtemp(prefix="semif-serve-state-"))
+    serving = dataclasses.replace(settings, state_dir=folder or private)
     cut_off = multiprocessing.RawValue("i", 0)  # shared memory, inherited by the forked worker
     try:
-        _Gunicorn(factory, gunicorn_options(settings, cut_off)).run()
+        server = _Gunicorn(
+            app_factory
+            or (
+                lambda: production_app(
+                    serving, engine_factory, server.previous_worker, server.heartbeat
+                )
+            ),
+            gunicorn_options(settings, cut_off),
+        )
+        server.run()
     except SystemExit as done:
         if done.code in (0, None) and cut_off.value:
             raise SystemExit(EXIT_CUT_OFF) from None
         raise
+    finally:
+        if private is not None and os.getpid() == master:
+            shutil.rmtree(private, ignore_errors=True)

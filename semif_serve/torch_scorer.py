@@ -4,21 +4,17 @@ It carries the model's `max_tokens` (a reconfigure may change it in place) and t
 of the process-wide state-prefix cache.
 `prepare` and `prepare_shared` encode a request (every limit checked) without the engine lock;
 `score` and `score_shared` take what they return (or plain rows, encoded then).
-An out-of-memory error in a call goes through `oom_policy`: some of THIS model's stored prefixes
-(never another model's), oldest first, may be dropped to cover what the allocation lacked, and
-the call runs once more without the cache; otherwise, or on a second out-of-memory, the error
-goes to the engine's policy (503) at once.
+After an out-of-memory error the engine's policy (`oom_policy`) may ask it to `relieve` the
+shortfall from THIS model's stored prefixes (never another model's), oldest first, and then run
+the call once more with `cached=False`.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from semif_serve.engine import is_out_of_memory
-from semif_serve.errors import OutOfMemory
 from semif_serve.oom_policy import bytes_to_drop, shortfall
 from semif_serve.scoring.batched import score_batch
 from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput, direct_input, shared_input
@@ -61,24 +57,20 @@ class TorchScorer:
         """Encode rows over one state for `score_shared`, every limit checked (no lock)."""
         return shared_input(self.scoring_model.tokenizer, rows, self.max_tokens)
 
-    def score(self, row: Row | DirectInput) -> dict[str, Any]:
+    def score(self, row: Row | DirectInput, cached: bool = True) -> dict[str, Any]:
         from semif_serve.scoring import score
 
-        return self._with_fallback(
-            lambda cache: score(
-                self.scoring_model, row, max_tokens=self.max_tokens, prefix_cache=cache
-            )
+        return score(
+            self.scoring_model, row, max_tokens=self.max_tokens, prefix_cache=self._cache(cached)
         )
 
     def score_shared(
-        self, rows: list[Row] | SharedInput
+        self, rows: list[Row] | SharedInput, cached: bool = True
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from semif_serve.scoring import score_shared
 
-        return self._with_fallback(
-            lambda cache: score_shared(
-                self.scoring_model, rows, max_tokens=self.max_tokens, prefix_cache=cache
-            )
+        return score_shared(
+            self.scoring_model, rows, max_tokens=self.max_tokens, prefix_cache=self._cache(cached)
         )
 
     def weights_unchanged(self) -> bool:
@@ -89,12 +81,12 @@ class TorchScorer:
         info = self.scoring_model.info
         return weights_unchanged(info.source, info.revision)
 
-    def score_batch(self, items: list[DirectInput | SharedInput]) -> list[Batched]:
+    def score_batch(
+        self, items: list[DirectInput | SharedInput], cached: bool = True
+    ) -> list[Batched]:
         """Several requests' inputs in as few forwards as exactness allows (`scoring.batched`)."""
-        return self._with_fallback(
-            lambda cache: score_batch(
-                self.scoring_model, items, max_tokens=self.max_tokens, prefix_cache=cache
-            )
+        return score_batch(
+            self.scoring_model, items, max_tokens=self.max_tokens, prefix_cache=self._cache(cached)
         )
 
     def cache_stats(self) -> dict[str, int] | None:
@@ -111,25 +103,20 @@ class TorchScorer:
         if self.prefix_cache is not None:
             self.prefix_cache.close()
 
-    def _with_fallback(self, call: Callable[[ModelPrefixCache | None], Any]) -> Any:
-        """Run `call` with this model's prefix cache; on out of memory, `oom_policy` decides
-        whether some of its stored prefixes go and the call runs once more without the cache,
-        or the error is a 503 at once."""
+    def relieve(self, message: str) -> bool:
+        """After an out-of-memory error (`message`, torch's): drop as many of this model's stored
+        prefixes as `oom_policy` says cover what the allocation lacked, and hand the memory
+        back. True when that was enough for one more try without the cache."""
         cache = self.prefix_cache
-        try:
-            return call(cache)
-        except Exception as error:
-            if cache is None or not is_out_of_memory(error, self._torch_module()):
-                raise
-            message = str(error)
-        # Outside the except block, so the failed call's frames (and tensors) are gone.
+        if cache is None:
+            return False
         stored = cache.stats()["bytes"]
         wanted = bytes_to_drop(stored, shortfall(message))
         if wanted is None:
-            raise OutOfMemory(message)
+            return False
         freed = cache.drop(at_least=wanted)
         if freed < wanted:
-            raise OutOfMemory(message)
+            return False
         log.warning(
             "out of memory (%s): dropped %d of this model's %d stored prefix bytes, scoring "
             "again without the prefix cache",
@@ -139,7 +126,10 @@ class TorchScorer:
         )
         gc.collect()
         self._empty_device_cache()
-        return call(None)
+        return True
+
+    def _cache(self, cached: bool) -> ModelPrefixCache | None:
+        return self.prefix_cache if cached else None
 
     def _torch_module(self) -> Any:
         if self._torch is None:

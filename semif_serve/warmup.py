@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from semif_serve.engine import is_out_of_memory
+from semif_serve.oom_policy import is_out_of_memory
 from semif_serve.scoring import direct, shared
 from semif_serve.scoring.packed import PACKED_CHUNK_TOKENS
 from semif_serve.scoring.prompt import EncodedPrompt

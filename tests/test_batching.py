@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semif_serve.runtime.batching import Cost, padded_tokens, select
+from semif_serve.runtime.selection import Cost, padded_tokens, select
 
 
 def costs(*pairs: tuple[int, int]) -> list[Cost]:

@@ -154,7 +154,7 @@ def test_health_and_models_round_trip(server, mode):
     else:
         health, models = run(mode, both, url=url_of(server))
     assert health["status"] == "ok" and health["max_decisions"] >= 1
-    assert health["model"]["source"] == "fake"
+    assert health["model"]["id"] == "default" and "source" not in health["model"]
     assert [model["id"] for model in models["models"]] == ["default"]
 
 

@@ -70,6 +70,17 @@ def test_bad_values_name_their_variable(env, variable):
     assert variable in str(caught.value)
 
 
+def test_an_admin_token_equal_to_the_api_token_is_refused_naming_both():
+    """Issue 30: with both tokens the same, every caller of the API was an admin."""
+    with pytest.raises(ConfigError) as caught:
+        settings(SEMIF_ADMIN_TOKEN=TOKEN)
+    message = str(caught.value)
+    assert message.startswith("SEMIF_ADMIN_TOKEN: must differ from SEMIF_API_TOKEN")
+    assert TOKEN not in message  # a token is never echoed
+    assert settings(SEMIF_ADMIN_TOKEN=TOKEN + "x").admin_token == TOKEN + "x"  # a longer one is not
+    assert settings(SEMIF_ADMIN_TOKEN=TOKEN[:-1] + "K").admin_token == TOKEN[:-1] + "K"
+
+
 def test_the_visible_ascii_range_is_33_to_126_inclusive():
     token = "!" * 16 + "~" * 16  # chr(33) and chr(126), the ends of the range
     assert settings(SEMIF_API_TOKEN=token).api_token == token

@@ -44,6 +44,7 @@ DEFAULTS = {
     "max_batch_tokens": 16384,
     "batch_wait_ms": 0,
     "model_aliases": {},
+    "state_dir": None,
 }
 
 # (variable, a valid value other than the default, field, what the field then holds)
@@ -76,6 +77,7 @@ ONE_VARIABLE = [
     ("SEMIF_MAX_BATCH_TOKENS", "4096", "max_batch_tokens", 4096),
     ("SEMIF_BATCH_WAIT_MS", "5", "batch_wait_ms", 5),
     ("SEMIF_MODEL_ALIASES", "jev-latest=default", "model_aliases", {"jev-latest": "default"}),
+    ("SEMIF_STATE_DIR", "/var/lib/semif", "state_dir", Path("/var/lib/semif")),
 ]
 
 
@@ -191,8 +193,13 @@ def test_an_empty_path_variable_means_unset(variable):
 
 @pytest.mark.parametrize(
     "variable",
-    # Any path is a valid SEMIF_MODELS_FILE or SEMIF_CACHE_DIR until it is used (then checked).
-    [v for v, *_ in ONE_VARIABLE if v not in ("SEMIF_MODELS_FILE", "SEMIF_CACHE_DIR")]
+    # Any path is a valid SEMIF_MODELS_FILE, SEMIF_CACHE_DIR or SEMIF_STATE_DIR until it is used
+    # (then checked; the state folder as `semif-serve serve` starts: tests/test_management_state.py).
+    [
+        v
+        for v, *_ in ONE_VARIABLE
+        if v not in ("SEMIF_MODELS_FILE", "SEMIF_CACHE_DIR", "SEMIF_STATE_DIR")
+    ]
     + ["SEMIF_API_TOKEN", "SEMIF_CALIBRATION"],
 )
 def test_a_bad_value_of_each_variable_is_refused_naming_it(variable, tmp_path):

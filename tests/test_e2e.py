@@ -20,7 +20,7 @@ def test_decide_and_shared_with_rotations_on_the_real_model(tmp_path, builtin_ca
         semif_serve_command(), real_env(builtin_cache), tmp_path / "server.log"
     ) as server:
         status, health, _ = server.request("GET", "/health")
-        assert status == 200 and health["model"]["source"] == "builtin:smollm2-135m"
+        assert status == 200 and health["model"]["id"] == "default"
         validate_reply("/health", "GET", 200, health)
 
         status, direct, _ = server.request("POST", "/decide", plain, AUTH)

@@ -39,7 +39,7 @@ def test_health_needs_no_token_and_reports_the_service():
     assert response.json == {
         "status": "ok",
         "semif_commit": SEMIF_COMMIT,
-        "model": FakeScorer().model_info(),
+        "model": {"id": "default", "revision": "0" * 40, "dtype": "float32", "device": "cpu"},
         "vram_cap_gib": 6.0,
         "max_tokens": 4096,
         "max_decisions": 64,
@@ -339,14 +339,33 @@ def test_a_scorer_value_error_on_decide_names_its_row(extra, index, expected):
 
 
 def test_a_reply_that_cannot_render_as_json_is_a_500_envelope():
-    class NaNScorer(FakeScorer):
+    class Unrenderable(FakeScorer):
         def result(self, row):
-            return {**super().result(row), "probabilities": [float("nan"), 0.5]}
+            return {**super().result(row), "summary": {"a set"}}
 
-    api, _ = client(NaNScorer())
+    api, _ = client(Unrenderable())
     assert "could not be rendered" in assert_error(
         api.simulate_post("/decide", json=row(), headers=AUTH), 500, "scoring_failed"
     )
+
+
+def test_a_non_finite_score_is_a_500_envelope_saying_so(caplog):
+    """Issue 30: a model that makes NaN (for some inputs) answered "Out of range float values
+    are not JSON compliant"; the 500 now says the model's scores were not finite, and where."""
+
+    class NaNScorer(FakeScorer):
+        def result(self, row):
+            return {**super().result(row), "probabilities": [float("nan"), float("inf")]}
+
+    api, _ = client(NaNScorer())
+    message = assert_error(
+        api.simulate_post("/decide", json=row(), headers=AUTH), 500, "scoring_failed"
+    )
+    assert message == (
+        "the model produced non-finite scores (NaN or infinity at probabilities[0], "
+        "probabilities[1]); its weights may be corrupt"
+    )
+    assert "non-finite scores at probabilities[0], probabilities[1]" in caplog.text
 
 
 def test_a_reply_that_cannot_encode_as_utf_8_is_a_500_envelope_logged_and_counted_as_500(caplog):

@@ -157,9 +157,15 @@ def test_management_calls_do_not_count_toward_max_queue():
     assert scoring.result().status_code == 200
 
 
-def test_health_reports_the_loaded_default_model():
+def test_health_reports_the_loaded_default_model_by_id_without_its_source():
     api, _, _ = client()
-    assert api.simulate_get("/health").json["model"] == FakeScorer().model_info()
+    loaded = FakeScorer().model_info()
+    assert api.simulate_get("/health").json["model"] == {
+        "id": "a",  # the default model's id
+        **{key: loaded[key] for key in ("revision", "dtype", "device")},
+    }
+    listed = api.simulate_get("/v1/models", headers=AUTH).json["models"]  # the token's view
+    assert [model["source"] for model in listed if model["id"] == "a"] == ["test:a"]
 
 
 # --- issue 13: reconfigure and load failures, bounded management fields ---------------------------

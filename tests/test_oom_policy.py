@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from fake_torch import FakeTorch
 
-from semif_serve.errors import OutOfMemory
+from semif_serve.engine import Engine
+from semif_serve.errors import OutOfMemory, ScoringFailed
 from semif_serve.oom_policy import bytes_to_drop, shortfall
 from semif_serve.torch_scorer import TorchScorer
 
@@ -107,15 +108,27 @@ class Calls:
         return "scored"
 
 
+def scored(made, call):
+    """`call` as the scorer's one call (with its cache, or None on the policy's retry), through
+    the engine's policy: its error handling, then `oom_policy.relieved` with `made.relieve`."""
+    made.score = lambda row, cached=True: call(made.prefix_cache if cached else None)
+    device = made.scoring_model.info.device
+    return Engine(made, device=device, torch_module=made._torch).score("a row")
+
+
+def drops_logged(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "semif_serve.torch_scorer"]
+
+
 def test_an_oom_drops_only_what_covers_the_shortfall_and_retries_without_the_cache(caplog):
     cache = FakeModelCache(stored=100 * MIB, entry=10 * MIB)
     made, call = scorer(cache), Calls(1)
     with caplog.at_level(logging.WARNING):
-        assert made._with_fallback(call) == "scored"
+        assert scored(made, call) == "scored"
     assert cache.drops == [16 * MIB] and cache.stored == 80 * MIB  # two entries of ten
     assert call.caches == [cache, None]
     assert made._torch.cuda.empty_cache_calls  # handed back before the second try
-    assert [record.getMessage() for record in caplog.records] == [
+    assert drops_logged(caplog) == [
         f"out of memory ({CUDA_OOM}): dropped 20971520 of this model's 104857600 stored prefix "
         "bytes, scoring again without the prefix cache"
     ]
@@ -125,18 +138,18 @@ def test_an_oom_with_no_message_drops_the_models_prefixes_once(caplog):
     cache = FakeModelCache(stored=30, entry=10)
     with caplog.at_level(logging.WARNING):
         empty = Calls(1, error=FakeTorch.OutOfMemoryError("  "))  # torch's type, no message
-        assert scorer(cache)._with_fallback(empty) == "scored"
+        assert scored(scorer(cache), empty) == "scored"
     assert cache.drops == [30]
-    assert [record.getMessage() for record in caplog.records] == [
-        "out of memory (no message): dropped 30 of this model's 30 stored prefix bytes, scoring "
-        "again without the prefix cache"
+    assert drops_logged(caplog) == [
+        "out of memory (CUDA out of memory): dropped 30 of this model's 30 stored prefix bytes, "
+        "scoring again without the prefix cache"
     ]
 
 
 def test_torchs_own_out_of_memory_type_is_recognised_whatever_its_message():
     cache = FakeModelCache(stored=100 * MIB)
     error = FakeTorch.OutOfMemoryError("Tried to allocate 1.00 MiB")
-    assert scorer(cache)._with_fallback(Calls(1, error=error)) == "scored"
+    assert scored(scorer(cache), Calls(1, error=error)) == "scored"
     assert cache.drops == [1 * MIB]
 
 
@@ -144,7 +157,7 @@ def test_an_oom_bigger_than_the_models_cache_is_a_503_at_once_and_drops_nothing(
     cache = FakeModelCache(stored=10 * MIB)
     made, call = scorer(cache), Calls(1)
     with pytest.raises(OutOfMemory) as caught:
-        made._with_fallback(call)
+        scored(made, call)
     assert str(caught.value) == CUDA_OOM
     assert cache.drops == [] and call.caches == [cache]
 
@@ -153,7 +166,7 @@ def test_an_oom_with_nothing_stored_is_a_503_at_once():
     cache = FakeModelCache(stored=0)
     call = Calls(1, message=CPU_OOM)
     with pytest.raises(OutOfMemory, match="can't allocate memory"):
-        scorer(cache, device="cpu")._with_fallback(call)
+        scored(scorer(cache, device="cpu"), call)
     assert cache.drops == [] and call.caches == [cache]
 
 
@@ -161,28 +174,30 @@ def test_a_drop_that_freed_too_little_is_not_retried():
     cache = FakeModelCache(stored=100 * MIB, entry=10 * MIB, pinned=90 * MIB)  # held by others
     call = Calls(1)
     with pytest.raises(OutOfMemory) as caught:
-        scorer(cache)._with_fallback(call)
+        scored(scorer(cache), call)
     assert str(caught.value) == CUDA_OOM
     assert cache.drops == [16 * MIB] and call.caches == [cache]
 
 
-def test_a_second_oom_is_the_engines_to_report():
+def test_a_second_oom_is_a_503():
     cache = FakeModelCache(stored=100 * MIB)
     call = Calls(2, message="CUDA out of memory")
-    with pytest.raises(RuntimeError, match="CUDA out of memory"):
-        scorer(cache)._with_fallback(call)
+    with pytest.raises(OutOfMemory, match="CUDA out of memory"):
+        scored(scorer(cache), call)
     assert cache.drops == [100 * MIB] and call.caches == [cache, None]
 
 
 def test_other_errors_and_a_model_without_a_cache_pass_through():
-    with pytest.raises(ValueError, match="bug"):
-        scorer(FakeModelCache(stored=100))._with_fallback(Calls(1, error=ValueError("bug")))
-    with pytest.raises(RuntimeError, match="out of memory"):
-        scorer(None)._with_fallback(Calls(1))
+    with pytest.raises(ScoringFailed, match="ValueError: bug"):
+        scored(scorer(FakeModelCache(stored=100)), Calls(1, error=ValueError("bug")))
+    call = Calls(1)
+    with pytest.raises(OutOfMemory, match="out of memory"):
+        scored(scorer(None), call)
+    assert call.caches == [None]  # no cache: no second try
 
 
 def test_a_cpu_model_hands_nothing_back_to_a_gpu():
     cache = FakeModelCache(stored=100 * MIB, entry=MIB)
     made = scorer(cache, device="cpu")
-    assert made._with_fallback(Calls(1, message=CPU_OOM)) == "scored"
+    assert scored(made, Calls(1, message=CPU_OOM)) == "scored"
     assert made._torch.cuda.empty_cache_calls == []

@@ -14,7 +14,7 @@ from rows_factory import make_rows
 from semif_serve.config import DTYPES, Settings
 from semif_serve.decisions import MAX_OPTIONS_FOR_ALL, ORDERINGS
 from semif_serve.http.errors import FALCON_CODES, STATUS_AND_CODE
-from semif_serve.runtime.entry import ModelEntry
+from semif_serve.runtime.scheduler import ModelScheduler
 from semif_serve.runtime.service import MAX_TIMEOUT_S
 from semif_serve.runtime.specs import (
     MAX_KEEP_ALIVE_S,
@@ -385,7 +385,7 @@ def test_a_model_table_key_the_document_does_not_list_is_refused():
 
 
 def test_a_model_status_with_a_load_error_matches_its_schema():
-    entry = ModelEntry(default_spec(settings()))
+    entry = ModelScheduler(default_spec(settings()))
     batching = {"batching": {"max_rows": 8, "max_tokens": 2048, "wait_ms": 0}}
     validate({"$ref": "#/components/schemas/ModelStatus"}, entry.status() | batching)
     entry.record_load_error("loading model 'default' failed: no such folder")

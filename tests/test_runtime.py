@@ -582,14 +582,3 @@ def test_one_failed_load_answers_every_request_that_waited_for_it():
         held.finish()
         assert held.error is None
     assert factory.events == [("load", "a"), ("load", "a")]
-
-
-def test_a_request_whose_work_another_took_leaves_without_a_slot():
-    """The batcher's exit from the queue (`served`): no slot taken, even past the slot count."""
-    rt = runtime(spec("a"))
-    holder = Held(rt, "a")
-    assert holder.admitted.wait(WAIT_S)
-    entry = rt.entry("a")
-    assert entry.acquire(None, lambda held: None, served=lambda: True) is None
-    assert entry._active == 1 and not entry._queue
-    holder.finish()

@@ -9,7 +9,7 @@ from fakes import WAIT_S
 from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wait_until
 
 from semif_serve.errors import InsufficientMemory, QueueTimedOut
-from semif_serve.runtime import entry as entry_module
+from semif_serve.runtime import waiting as entry_module
 
 
 def queued(rt, model_id="a"):

@@ -17,7 +17,7 @@ import pytest
 from fakes import WAIT_S
 from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
 
-from semif_serve.runtime import entry as entry_module
+from semif_serve.runtime import waiting as entry_module
 
 GIB = 1 << 30
 
@@ -35,9 +35,17 @@ class Faults:
         self.victim: int | None = None
         self.calls: Counter = Counter()
 
+    def on_victims_path(self):
+        """The victim's own thread, or the load it started (a request's load runs in a thread
+        of its own, so that its waits keep their deadline)."""
+        return (
+            threading.get_ident() == self.victim
+            or threading.current_thread().name.startswith("semif-load-")
+        )
+
     def hook(self, name, real):
         def hooked(*args, **kwargs):
-            if threading.get_ident() == self.victim:
+            if self.on_victims_path():
                 count = self.calls[name]
                 self.calls[name] += 1
                 if (name, count) == (self.name, self.nth):
@@ -142,8 +150,13 @@ def request_behind_an_unload(faults, monkeypatch):
 def test_a_request_failing_at_any_step_leaves_nothing_behind(name, nth, monkeypatch):
     faults = Faults(name, nth)
     rt, factory, victim, behind = request_behind_an_unload(faults, monkeypatch)
-    with pytest.raises(Injected, match=f"^{name}$"):
+    if (name, nth) == ("event", 0):
+        # The metrics hook runs in the load's own thread, after the model was published: the
+        # load's failure, not the victim's, which is served by the published model.
         victim.result()
+    else:
+        with pytest.raises(Injected, match=f"^{name}$"):
+            victim.result()
     assert behind.admitted.wait(WAIT_S), "the request behind the victim was never woken"
     assert behind.finish().error is None
     assert_clean(rt, factory)

@@ -4,6 +4,9 @@
   transformers tokenizer with a ChatML template that honours `enable_thinking=False`.
 - `tiny_qwen35()`: a random `Qwen3_5ForCausalLM`, 3 linear-attention + 1 full-attention layers.
 - `byte_tokenizer()`: a byte-level BPE tokenizer with chosen merges, for crafting guard failures.
+- `tiny_causal_lm(name)`: a random model of any class the scorers accept, for the byte tokenizer;
+  `tiny_llama()`, `tiny_cohere()`, `tiny_granite()`, `tiny_gemma2()` name four (the last three
+  post-process their logits: scale, divide, soft-cap); `tiny_falcon_h1()`: one they refuse.
 """
 
 from __future__ import annotations
@@ -132,18 +135,104 @@ def byte_symbols(text: str) -> str:
     return "".join(encoder[byte] for byte in text.encode("utf-8"))
 
 
+# The byte-vocabulary tiny models share these sizes (vocab 300: the byte tokenizer's 256 and room).
+TINY_SIZES = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+# Per transformers class, the config values beyond TINY_SIZES: what its layers need at these
+# sizes, and a non-trivial value for every field its forward post-processes the logits with
+# (a default such as Gemma2's soft cap of 30 would leave a tiny model's logits unchanged).
+TINY_EXTRAS = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {"head_dim": 16},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": {"head_dim": 16},
+    "Qwen3_5ForCausalLM": {
+        "head_dim": 16,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention", "full_attention"],
+    },
+    "Phi3ForCausalLM": {"pad_token_id": 0, "eos_token_id": 2},  # ids inside the tiny vocabulary
+    "GemmaForCausalLM": {"head_dim": 16},
+    "CohereForCausalLM": {"logit_scale": 4.0, "eos_token_id": 2},
+    "GraniteForCausalLM": {
+        "logits_scaling": 0.25,
+        # the decoder's own multipliers, non-trivial too: every path runs the decoder whole
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+    },
+    "Gemma2ForCausalLM": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "final_logit_softcapping": 0.1,
+        "sliding_window": 64,  # shorter than any test prompt: the windows matter
+    },
+    "Gemma3ForCausalLM": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "final_logit_softcapping": 0.1,
+        "sliding_window": 64,
+    },
+}
+
+
+def tiny_causal_lm(class_name: str, seed: int = 0, **overrides):
+    """A random instance of transformers' `class_name` (a key of TINY_EXTRAS) at TINY_SIZES with
+    its TINY_EXTRAS, `overrides` on top, in eval mode."""
+    import transformers
+
+    model_class = getattr(transformers, class_name)
+    config = model_class.config_class(**{**TINY_SIZES, **TINY_EXTRAS[class_name], **overrides})
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
 def tiny_llama(vocab_size: int = 300, seed: int = 0):
     """A random attention-only LlamaForCausalLM (the packed shared path), for byte tokenizers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return tiny_causal_lm("LlamaForCausalLM", seed, vocab_size=vocab_size)
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+
+def tiny_cohere(seed: int = 0):
+    """A random CohereForCausalLM: its forward multiplies its logits by `logit_scale` (4)."""
+    return tiny_causal_lm("CohereForCausalLM", seed)
+
+
+def tiny_granite(seed: int = 0):
+    """A random GraniteForCausalLM: its forward divides its logits by `logits_scaling` (0.25)."""
+    return tiny_causal_lm("GraniteForCausalLM", seed)
+
+
+def tiny_gemma2(seed: int = 0):
+    """A random Gemma2ForCausalLM (a sliding-window and a full attention layer, eager attention
+    with its own soft-capping; embeddings scaled by sqrt(hidden_size) in its decoder): its
+    forward soft-caps its logits with tanh at `final_logit_softcapping` (0.1)."""
+    return tiny_causal_lm("Gemma2ForCausalLM", seed)
+
+
+def tiny_falcon_h1(seed: int = 0):
+    """A random FalconH1ForCausalLM (hybrid attention and Mamba2): its forward multiplies its
+    logits by `lm_head_multiplier`, a class the scorers do not accept."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    config = FalconH1Config(
+        **TINY_SIZES,
+        head_dim=16,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        lm_head_multiplier=3.0,
     )
-    return LlamaForCausalLM(config).eval()
+    torch.manual_seed(seed)
+    return FalconH1ForCausalLM(config).eval()

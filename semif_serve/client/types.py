@@ -113,7 +113,7 @@ class SharedReply(TypedDict):
 
 
 class HealthModel(TypedDict):
-    source: str
+    id: str  # the default model's id (its source is shown only by GET /v1/models)
     revision: str
     dtype: str
     device: str

@@ -9,6 +9,9 @@ client has left before scoring it.
 from __future__ import annotations
 
 import json
+import logging
+import math
+from typing import Any
 
 import falcon
 
@@ -20,25 +23,80 @@ from semif_serve.scoring.rows import InvalidRow, parse_state
 from semif_serve.sockets import CLIENT_GONE_KEY
 from semif_serve.state_key import state_key
 
+log = logging.getLogger(__name__)
+NON_FINITE_SHOWN = 4  # how many places a non-finite reply's message names
+
 
 def send_json(resp: falcon.Response, body: dict) -> None:
     """Serialise and encode here, inside the error handling: a reply that cannot render (not
-    JSON, or text UTF-8 cannot encode) is a 500 (C3), and the access log and /metrics say so."""
+    JSON, or text UTF-8 cannot encode) is a 500 (C3), and the access log and /metrics say so.
+    A NaN or an infinity (a model whose weights are corrupt, for some inputs or all) is said to
+    be one: 500 `scoring_failed`, never a number JSON cannot carry."""
     try:
         resp.data = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
     except (TypeError, ValueError) as error:  # UnicodeEncodeError is a ValueError
+        places = non_finite_paths(body)
+        if places:
+            log.error("the model produced non-finite scores at %s: replied 500", ", ".join(places))
+            raise ScoringFailed(non_finite_message(places)) from None
         raise ScoringFailed(f"the response could not be rendered as JSON: {error}") from None
     resp.content_type = falcon.MEDIA_JSON
 
 
+def non_finite_paths(value: Any, path: str = "") -> list[str]:
+    """Where `value` (a reply: dicts, lists, numbers) holds a NaN or an infinity, e.g.
+    `results[1].probabilities[0]`, in document order."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [path or "the reply"]
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return []
+    return [place for inner, item in items for place in non_finite_paths(item, inner)]
+
+
+def non_finite_message(places: list[str]) -> str:
+    shown = ", ".join(places[:NON_FINITE_SHOWN])
+    more = f" and {len(places) - NON_FINITE_SHOWN} more" if len(places) > NON_FINITE_SHOWN else ""
+    return (
+        f"the model produced non-finite scores (NaN or infinity at {shown}{more}); its weights "
+        "may be corrupt"
+    )
+
+
+PUBLIC_HEALTH_KEYS = (
+    "status",
+    "semif_commit",
+    "model",
+    "vram_cap_gib",
+    "max_tokens",
+    "max_decisions",
+    "workloads",
+)
+PUBLIC_MODEL_KEYS = ("revision", "dtype", "device")  # and its id; never its source
+
+
+def public_health(health: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """What /health shows anyone: readiness, the limits and workloads a caller needs, and the
+    default model by id, with its revision, dtype and device. Never a path: the model's
+    `source` (a local folder's, for a local model) and anything else are left out, by listing
+    what goes in; GET /v1/models, which needs a token, shows each model's source."""
+    model = health["model"]
+    shown = {"id": model_id, **{key: model[key] for key in PUBLIC_MODEL_KEYS if key in model}}
+    return {key: shown if key == "model" else health[key] for key in PUBLIC_HEALTH_KEYS}
+
+
 class Health:
-    """GET and HEAD /health, no token; load balancers probe with either."""
+    """GET and HEAD /health, no token; load balancers probe with either (`public_health`)."""
 
     def __init__(self, service: DecisionService):
         self._service = service
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        send_json(resp, self._service.health())
+        service = self._service
+        send_json(resp, public_health(service.health(), service.runtime.default_id))
 
     on_head = on_get  # Falcon answers a HEAD with the GET's status and headers, no body
 

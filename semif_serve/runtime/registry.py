@@ -26,18 +26,12 @@ from semif_serve.errors import (
     QueueTimedOut,
     ServeError,
 )
-from semif_serve.runtime.batcher import Batcher, Job, serve
-from semif_serve.runtime.entry import (
-    LOADING,
-    READY,
-    RECONFIGURING,
-    UNLOADED,
-    ModelEntry,
-    QueueTimeout,
-    WaiterGone,
-)
+from semif_serve.runtime.jobs import LEFT, Job, forwards, run_jobs
 from semif_serve.runtime.residency import Residency
+from semif_serve.runtime.scheduler import LOADING, READY, RECONFIGURING, UNLOADED, ModelScheduler
+from semif_serve.runtime.selection import BatchLimits
 from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
+from semif_serve.runtime.waiting import Deadline, QueueTimeout, WaiterGone, deadline_after
 
 log = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 1.0
@@ -52,6 +46,7 @@ class Runtime(Residency):
         default_id: str,
         clock: Callable[[], float] = time.monotonic,
         source_check: Callable[[ModelSpec], int | None] | None = None,
+        device: Any = None,
     ):
         self._settings = settings
         self._factory = engine_factory
@@ -62,16 +57,21 @@ class Runtime(Residency):
         self._clock = clock
         self._lock = threading.Lock()
         self._bulk_publication = threading.Lock()
-        self._entries = {spec.id: ModelEntry(spec, clock) for spec in specs}
-        self._batchers: dict[str, Batcher] = {}  # the dynamic batcher's queue, per model
+        # The one device every model's engine shares (a `device.DeviceQueue`: the single-lock
+        # runtime, INV-2), taken in turn after the model's own queue; None: each model's own.
+        self._device = device
+        self._batching = BatchLimits(
+            settings.max_batch_rows, settings.max_batch_tokens, settings.batch_wait_ms / 1000
+        )
+        self._entries = {spec.id: self._scheduler(spec) for spec in specs}
         self.default_id = default_id
         self._stop = threading.Event()
         self._idle_thread: threading.Thread | None = None
         # Told (model id, event) on load, load_failed, unload, evict and retire (the metrics,
         # through `listen`); until then the events are kept (the startup loads).
         self._early_events: list[tuple[str, str]] = []
-        # Told (model id, rows, padded tokens, the requests' own tokens) of each batch.
-        self.on_batch: Callable[[str, int, int, int], None] = lambda *batch: None
+        # Told (model id, the forwards it ran: `scoring.inputs.Forward`) of each batched call.
+        self.on_batch: Callable[[str, list[Any]], None] = lambda *batch: None
         self.on_event: Callable[[str, str], None] = lambda *event: self._early_events.append(event)
 
     # -- startup and shutdown -------------------------------------------------------------------
@@ -116,33 +116,53 @@ class Runtime(Residency):
         timeout_s: float | None = None,
         gone: Callable[[], bool] | None = None,
     ) -> Iterator[Any]:
-        """The model's engine for one request, admitted in FIFO order within the queue timeout;
-        a request whose `gone` check says its caller left meanwhile leaves the queue."""
+        """The model's engine for one request, admitted in FIFO order, then given the device's
+        turn when models share one, all within one deadline (every wait ends at it: 503); a
+        request whose `gone` check says its caller left meanwhile, or by the time it holds both,
+        leaves unscored (499)."""
         entry = self.entry(model_id)
+        deadline = self.deadline(timeout_s)
         with _queue_errors():
-            engine = entry.acquire(self.queue_timeout(timeout_s), self._load_admitted, gone)
+            engine = entry.lease(deadline, self._load_admitted, gone)
         try:
-            yield engine
+            with _queue_errors(), self._device_turn(deadline, gone):
+                if gone is not None and gone():  # it left as its wait ended: never scored
+                    raise ClientGone(LEFT)
+                yield engine
         finally:
             entry.release()
 
     def score_batched(self, model_id: str | None, timeout_s: float | None, job: Job) -> Any:
-        """`job`'s outcome, scored with the model's other queued requests by the dynamic
-        batcher (`batcher.serve`), admitted as `lease` admits."""
+        """`job`'s outcome, scored with the model's other queued requests in one engine call
+        (`ModelScheduler.serve`), within the request's deadline as `lease` is."""
         entry = self.entry(model_id)
-        with self._lock:
-            batcher = self._batchers.get(entry.spec.id)
-            if batcher is None:
-                settings = self._settings
-                model_id = entry.spec.id
-                batcher = self._batchers[model_id] = Batcher(
-                    settings.max_batch_rows,
-                    settings.max_batch_tokens,
-                    settings.batch_wait_ms / 1000,
-                    lambda *batch: self.on_batch(model_id, *batch),
-                )
+        job.deadline = self.deadline(timeout_s)
+        model = entry.spec.id
+
+        def run(engine: Any, jobs: list[Job]) -> None:
+            ran = run_jobs(engine, jobs, self._device)
+            try:
+                self.on_batch(model, forwards(ran))
+            except Exception:  # the metrics' failure: logged, never a scored request's
+                log.exception("recording a batch of model %s failed", model)
+
         with _queue_errors():
-            return serve(entry, batcher, job, self.queue_timeout(timeout_s), self._load_admitted)
+            return entry.serve(job, self._load_admitted, run)
+
+    @contextmanager
+    def _device_turn(self, deadline: Deadline, gone: Callable[[], bool] | None) -> Iterator[None]:
+        if self._device is None:
+            yield
+            return
+        self._device.take(deadline, gone)
+        try:
+            yield
+        finally:
+            self._device.give()
+
+    def deadline(self, timeout_s: float | None) -> Deadline:
+        """A request's one deadline, from now: its `timeout_s`, or the queue timeout."""
+        return deadline_after(self.queue_timeout(timeout_s))
 
     def queue_timeout(self, requested: float | None) -> float | None:
         """SEMIF_QUEUE_TIMEOUT_S (0: unbounded); a request may only lower it."""
@@ -151,7 +171,7 @@ class Runtime(Residency):
             return configured
         return requested if configured is None else min(requested, configured)
 
-    def entry(self, model_id: str | None) -> ModelEntry:
+    def entry(self, model_id: str | None) -> ModelScheduler:
         with self._lock:
             entry = self._entries.get(model_id or self.default_id)
         if entry is None:
@@ -170,7 +190,7 @@ class Runtime(Residency):
     def status(self) -> list[dict[str, Any]]:
         return [self._status(entry) for entry in self._snapshot()]
 
-    def _status(self, entry: ModelEntry) -> dict[str, Any]:
+    def _status(self, entry: ModelScheduler) -> dict[str, Any]:
         """A model's status, and the dynamic batcher's limits it is served with."""
         settings = self._settings
         batching = {
@@ -192,7 +212,7 @@ class Runtime(Residency):
         with self._lock:
             entry = self._entries.get(model_id)
             if entry is None:  # published once, unloaded, before its first load
-                entry = self._entries[model_id] = ModelEntry(spec, self._clock)
+                entry = self._entries[model_id] = self._scheduler(spec)
         self._managed(entry, lambda held: self._reconfigure(held, spec, estimate))
         return self._status(entry)
 
@@ -231,7 +251,7 @@ class Runtime(Residency):
             raise errors[0]
         return {"unloaded": list(selected), "not_found": not_found}
 
-    def _managed(self, entry: ModelEntry, operation: Callable[[ModelEntry], Any]) -> Any:
+    def _managed(self, entry: ModelScheduler, operation: Callable[[ModelScheduler], Any]) -> Any:
         try:
             return entry.manage(operation, self.queue_timeout(None))
         except QueueTimeout as error:
@@ -239,7 +259,7 @@ class Runtime(Residency):
 
     # -- transitions (the caller holds the model alone, or is its admitted loader) -------------
 
-    def _reconfigure(self, entry: ModelEntry, spec: ModelSpec, estimate: int | None) -> None:
+    def _reconfigure(self, entry: ModelScheduler, spec: ModelSpec, estimate: int | None) -> None:
         """Give the model `spec`; it is committed only together with an engine built from it.
 
         - unloaded: load it; a failure keeps the registered configuration (unloaded);
@@ -268,7 +288,7 @@ class Runtime(Residency):
         else:
             self._load_instead(entry, spec)
 
-    def _retune(self, entry: ModelEntry, spec: ModelSpec) -> bool:
+    def _retune(self, entry: ModelScheduler, spec: ModelSpec) -> bool:
         """Apply `spec` to the loaded engine when only `keep_alive_s`, `slots` or `max_tokens`
         change and the engine can serve them (`capacity_at`): no reload, the model's stored
         prefixes kept. False: only a new engine can apply `spec`."""
@@ -289,7 +309,7 @@ class Runtime(Residency):
         log.info("model %s reconfigured in place (its weights are unchanged)", spec.id)
         return True
 
-    def _load_alone(self, entry: ModelEntry, spec: ModelSpec | None = None) -> None:
+    def _load_alone(self, entry: ModelScheduler, spec: ModelSpec | None = None) -> None:
         if entry.state == READY:
             return
         entry.set_state(LOADING)
@@ -299,14 +319,14 @@ class Runtime(Residency):
             entry.abort_load()
             raise
 
-    def _load_admitted(self, entry: ModelEntry, spec: ModelSpec | None = None) -> None:
+    def _load_admitted(self, entry: ModelScheduler, spec: ModelSpec | None = None) -> None:
         """Build `spec`'s engine (default: the registered spec) privately, then publish it whole."""
         spec = spec or entry.spec
         engine, capacity = self._build(entry, spec)
         self._publish(entry, engine, capacity, spec)
         self.on_event(spec.id, "load")
 
-    def _load_beside(self, entry: ModelEntry, spec: ModelSpec) -> None:
+    def _load_beside(self, entry: ModelScheduler, spec: ModelSpec) -> None:
         old = entry.engine
         entry.set_state(RECONFIGURING)
         try:
@@ -318,14 +338,14 @@ class Runtime(Residency):
         self._teardown(old)
         self.on_event(spec.id, "load")
 
-    def _load_instead(self, entry: ModelEntry, spec: ModelSpec) -> None:
+    def _load_instead(self, entry: ModelScheduler, spec: ModelSpec) -> None:
         self._unload_alone(entry)
         try:
             self._load_alone(entry, spec)
         except ServeError as error:  # a load's failure; anything else is a bug: left unloaded
             self._restore(entry, error)
 
-    def _restore(self, entry: ModelEntry, error: ServeError) -> NoReturn:
+    def _restore(self, entry: ModelScheduler, error: ServeError) -> NoReturn:
         """The fallback's last step: load the registered (old) configuration again, which the
         failed load never replaced, then report `error`."""
         try:
@@ -337,7 +357,7 @@ class Runtime(Residency):
         entry.record_load_error(message)
         raise type(error)(message) from None
 
-    def _build(self, entry: ModelEntry, spec: ModelSpec) -> tuple[Any, int | None]:
+    def _build(self, entry: ModelScheduler, spec: ModelSpec) -> tuple[Any, int | None]:
         """Make room, build `spec`'s engine (the factory warms it up), check that it fits the
         memory budget and serves `spec.slots`; nothing is published. InsufficientMemory and
         BadManagementRequest pass as they are, any other failure is ModelLoadFailed (503); each
@@ -371,14 +391,14 @@ class Runtime(Residency):
             log.error("loading model %s failed: %s", spec.id, error)
             raise ModelLoadFailed(f"loading model {spec.id!r} failed: {error}") from None
 
-    def _publish(self, entry: ModelEntry, engine: Any, capacity: int | None, spec) -> None:
+    def _publish(self, entry: ModelScheduler, engine: Any, capacity: int | None, spec) -> None:
         try:
             entry.publish(engine, capacity, spec)
         except BaseException:
             self._teardown(engine)  # never published, so nobody else would close it
             raise
 
-    def _unload_alone(self, entry: ModelEntry, event: str = "unload") -> None:
+    def _unload_alone(self, entry: ModelScheduler, event: str = "unload") -> None:
         engine = entry.retire()
         try:
             self._teardown(engine)
@@ -391,7 +411,10 @@ class Runtime(Residency):
         if engine is not None and hasattr(engine, "close"):
             engine.close()
 
-    def _snapshot(self) -> list[ModelEntry]:
+    def _scheduler(self, spec: ModelSpec) -> ModelScheduler:
+        return ModelScheduler(spec, self._clock, self._batching)
+
+    def _snapshot(self) -> list[ModelScheduler]:
         with self._lock:
             return list(self._entries.values())
 

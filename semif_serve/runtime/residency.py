@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from semif_serve.errors import InsufficientMemory
-from semif_serve.runtime.entry import UNLOADED, ModelEntry
+from semif_serve.runtime.scheduler import UNLOADED, ModelScheduler
 from semif_serve.runtime.specs import ModelSpec
 
 GIB = 1 << 30
@@ -21,7 +21,7 @@ GIB = 1 << 30
 class Residency:
     _settings: Any
 
-    def _fits_beside(self, entry: ModelEntry, spec: ModelSpec, estimate: int | None) -> bool:
+    def _fits_beside(self, entry: ModelScheduler, spec: ModelSpec, estimate: int | None) -> bool:
         """Whether `spec`'s weights fit while the old engine still holds its memory: within
         SEMIF_MEMORY_BUDGET_GIB (every loaded model's resident bytes plus the estimate) and, on a
         GPU, SEMIF_VRAM_CAP_GIB (every GPU model's plus the estimate; each GPU engine counts
@@ -45,7 +45,7 @@ class Residency:
             for limit_gib, held in limits
         )
 
-    def _make_room(self, loading: ModelEntry) -> None:
+    def _make_room(self, loading: ModelScheduler) -> None:
         """Below SEMIF_MAX_LOADED_MODELS, or evict idle models least recently used first."""
         limit = self._settings.max_loaded_models
         if limit is None:
@@ -60,7 +60,7 @@ class Residency:
                     "retry later"
                 )
 
-    def _fit_in_memory_budget(self, loading: ModelEntry, engine: Any) -> None:
+    def _fit_in_memory_budget(self, loading: ModelScheduler, engine: Any) -> None:
         """With SEMIF_MEMORY_BUDGET_GIB, evict idle models (LRU) until the new engine fits beside
         the other models (the loading model's old engine is being replaced), else refuse (503).
         Evictions done before a refusal are not undone."""
@@ -81,7 +81,7 @@ class Residency:
                     "busy models; retry later"
                 )
 
-    def _evict_one(self, candidates: list[ModelEntry]) -> bool:
+    def _evict_one(self, candidates: list[ModelScheduler]) -> bool:
         """Unload the least recently used idle candidate; False when none is idle."""
         victims = sorted((e for e in candidates if e.is_idle), key=lambda e: e.last_used or 0.0)
         evict = lambda victim: self._unload_alone(victim, "evict")  # noqa: E731

@@ -24,10 +24,10 @@ from semif_serve.decisions import (
     calibrated,
     expand,
 )
-from semif_serve.errors import ClientGone, InvalidRequest, ScoringFailed, same_failure
-from semif_serve.runtime.batcher import Job
-from semif_serve.runtime.batching import cost_of
+from semif_serve.errors import InvalidRequest, ScoringFailed, same_failure
+from semif_serve.runtime.jobs import Job
 from semif_serve.runtime.registry import Runtime
+from semif_serve.runtime.selection import cost_of
 from semif_serve.scoring.inputs import Batched
 from semif_serve.scoring.rows import InvalidRow, Row, RowError, parse_row
 
@@ -181,8 +181,6 @@ class DecisionService:
             )
             return _unbatched(self._runtime.score_batched(model_id, timeout_s, job), decisions)
         with self._runtime.lease(model_id, timeout_s, client_gone) as engine:
-            if client_gone is not None and client_gone():
-                raise ClientGone("the client closed its connection before its request was scored")
             if prepared is None or engine is not early:
                 prepared = _refused_as_422(call.prepare, engine, rows, decisions)
             return _refused_as_422(call.run, engine, prepared, decisions), None

@@ -25,9 +25,9 @@ import torch
 
 from semif_serve.scoring import shared
 from semif_serve.scoring.direct import score as score_direct
+from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput
 from semif_serve.scoring.model import ScoringModel
-from semif_serve.scoring.prefill import letter_logits
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import RowError
@@ -125,8 +125,7 @@ def _padded(
         decoder = model.get_decoder()
         hidden = decoder(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
         rows = hidden[torch.arange(len(items), device=device), last.to(device)]
-        logits = model.get_output_embeddings()(rows).float()
-        letters = letter_logits(logits, [item.prompt for item in items], device)
+        letters = letter_logits(model, rows, [item.prompt for item in items])
     forward_seconds = perf_counter() - started
     results = [
         _direct_result(scoring_model, item, row_letters, forward_seconds, False)

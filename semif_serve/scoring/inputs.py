@@ -63,10 +63,22 @@ def shared_input(tokenizer: ChatTokenizer, rows: list[Row | dict], max_tokens: i
     return SharedInput(parsed, prompts, prefix_ids, max_tokens, perf_counter() - started)
 
 
+@dataclass(frozen=True, eq=False)
+class Forward:
+    """One forward a batched call ran, as it ran: its rows and tokens (rows x width, padding and
+    buckets included) and the prompts' own tokens. Inputs that ran in it share this object."""
+
+    rows: int
+    tokens: int
+    real_tokens: int
+
+
 @dataclass(frozen=True)
 class Batched:
-    """One input's outcome, and the forward it ran in: its rows and padded length."""
+    """One input's outcome, and the forward it ran in: its rows and padded length (as the reply's
+    `batch` shows them), and the `Forward` itself (the metrics; None: not told)."""
 
     outcome: Any
     rows: int
     padded_length: int
+    forward: Forward | None = None

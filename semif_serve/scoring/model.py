@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from semif_serve.scoring.head import check_supported
 from semif_serve.scoring.prompt import ChatTokenizer
 
 
@@ -45,11 +46,15 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class ScoringModel:
-    """What both scorers read: `model` is a transformers *ForCausalLM in eval mode."""
+    """What both scorers read: `model` is a transformers *ForCausalLM in eval mode, of a class
+    whose final logits every scoring path reproduces (`head.UnsupportedModel` otherwise)."""
 
     model: Any
     tokenizer: ChatTokenizer
     info: ModelInfo
+
+    def __post_init__(self) -> None:
+        check_supported(self.model)  # at load, not at the first batched or cached call
 
     @property
     def device(self):

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from semif_serve.scoring.prefill import continue_from, letter_logits, prefilled
+from semif_serve.scoring.head import letter_logits
+from semif_serve.scoring.prefill import continue_from, prefilled
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.prompt import EncodedPrompt
 from semif_serve.scoring.shapes import PAD_TOKEN_ID, Buckets
@@ -41,7 +42,6 @@ def forward_packed(
     prefix_length = len(prefix_ids)
     suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
     base_model = model.get_decoder()
-    output_embeddings = model.get_output_embeddings()
     last_hidden = []
     padded_tokens = 0
     prefill_started = perf_counter()
@@ -60,10 +60,9 @@ def forward_packed(
             last_hidden.append(hidden[0, last.to(device)])
             for layer, (keys, values) in zip(cache.layers, prefix_layers):
                 layer.keys, layer.values = keys, values
-        logits = output_embeddings(torch.cat(last_hidden)).float()
-        letters = letter_logits(logits, prompts, device)
+        letters = letter_logits(model, torch.cat(last_hidden), prompts)
         suffix_seconds = perf_counter() - suffix_started
-    del cache, prefix_layers, hidden, logits
+    del cache, prefix_layers, hidden, last_hidden
     return letters, {
         "cache_hit": hit,
         "prefix_stored": stored,

@@ -1,5 +1,5 @@
 """The prefix stage both shared forwards build on: prefill a state prefix once (or resume a
-stored prefill of it), continue the decoder after it, and read each row's letter logits.
+stored prefill of it) and continue the decoder after it (`head.letter_logits` reads the rows).
 
 `shared._forward` (models with linear-attention layers: the prefix replicated per row) and
 `packed.forward_packed` (attention-only models: suffixes packed into rows after one prefix) use
@@ -16,7 +16,6 @@ import torch
 from transformers import DynamicCache
 
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
-from semif_serve.scoring.prompt import EncodedPrompt
 
 
 @contextmanager
@@ -67,17 +66,6 @@ def continue_from(
         cache=cache,
         use_cache=True,
     ).last_hidden_state
-
-
-def letter_logits(logits: torch.Tensor, prompts: list[EncodedPrompt], device) -> list[torch.Tensor]:
-    """Each row's option-letter logits, in option order, on the CPU: one gather and one copy to
-    the CPU for all rows (a per-row read would wait on the device once per row)."""
-    counts = [len(prompt.letter_token_ids) for prompt in prompts]
-    widest = max(counts)
-    padded = [ids + [0] * (widest - len(ids)) for ids in (p.letter_token_ids for p in prompts)]
-    letters = torch.tensor(padded, dtype=torch.long, device=device)
-    gathered = logits.gather(1, letters).cpu()
-    return [gathered[row, :count] for row, count in enumerate(counts)]
 
 
 def synchronize(device: torch.device) -> None:

@@ -31,10 +31,11 @@ from semif_serve.scoring.cache import (
     share_prefix,
     working_copy,
 )
+from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import SharedInput, shared_input
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.packed import forward_packed
-from semif_serve.scoring.prefill import continue_from, letter_logits, prefilled, synchronize
+from semif_serve.scoring.prefill import continue_from, prefilled, synchronize
 from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_attention
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.prompt import EncodedPrompt, prompt_sha256
@@ -145,7 +146,6 @@ def _forward(
     one batch; with them, in groups of at most `rows_per_forward` rows, each over its own copy
     of the prefilled cache (the recurrent layers update their states in place).
     """
-    device = model.device
     prefix_length = len(prefix_ids)
     suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
     groups = _row_groups(suffixes, buckets)
@@ -171,10 +171,9 @@ def _forward(
             padded_tokens += timing[2]
             del group_cache
         letters_started = perf_counter()
-        logits = model.get_output_embeddings()(torch.cat(last_hidden)).float()
-        letters = letter_logits(logits, prompts, device)
+        letters = letter_logits(model, torch.cat(last_hidden), prompts)
         suffix_seconds += perf_counter() - letters_started
-    del cache, logits, last_hidden
+    del cache, last_hidden
     return letters, {
         "cache_hit": hit,
         "prefix_stored": stored,

@@ -20,12 +20,13 @@ from runtime_fixtures import Held, runtime, spec, wait_until
 from semif_serve.engine import Engine
 from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut, ScoringFailed
 from semif_serve.http import create_app
-from semif_serve.runtime.batcher import Batcher, Job
-from semif_serve.runtime.batching import Cost, cost_of
+from semif_serve.runtime.jobs import Job, forwards
+from semif_serve.runtime.selection import DEADLINE_MARGIN_S, Cost, cost_of, gather_ends
+from semif_serve.runtime.waiting import Deadline
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService
 from semif_serve.scoring import PromptRejected, parse_row
-from semif_serve.scoring.inputs import Batched
+from semif_serve.scoring.inputs import Batched, Forward
 from semif_serve.sockets import CLIENT_GONE_KEY
 
 BATCHING = {"max_batch_rows": 4, "max_batch_tokens": 1000}
@@ -45,7 +46,9 @@ class BatchScorer(FakeScorer):
         self._enter()
         if self.failing & set(ids):
             raise OutOfMemory("CUDA out of memory (fake)")
-        return [Batched(self._outcome(item), len(items), 7) for item in items]
+        # What ran, as a real scorer tells it: one forward of every row, 7 wide, 5 real each.
+        forward = Forward(len(items), 7 * len(items), 5 * len(items))
+        return [Batched(self._outcome(item), len(items), 7, forward) for item in items]
 
     def _outcome(self, item):
         if isinstance(item, list):  # a shared call's rows
@@ -104,7 +107,7 @@ class Submitted:
 
 
 def queued_jobs(rt, model="a") -> int:
-    return rt._batchers[model].queued if model in rt._batchers else 0
+    return sum(1 for waiter in rt.entry(model)._queue if waiter.job is not None)
 
 
 def jobs_queued(rt, count: int, model="a") -> None:
@@ -317,7 +320,9 @@ def test_no_request_is_batched_past_an_older_request_that_leases_the_model():
     assert scorer.batches == [["first"], ["b", "c"], ["d"], ["e"]]
 
 
-def test_metrics_count_each_batch_and_the_model_list_shows_the_limits():
+def test_metrics_count_the_forwards_that_ran_and_the_model_list_shows_the_limits():
+    """The figures are the scorer's account of each forward it ran, not the budget's estimate
+    from the queued costs (which here would say 1 x 1 and 3 x 30 tokens)."""
     scorer = BatchScorer()
     rt = batching_runtime(scorer)
     config = settings(**BATCHING)
@@ -331,13 +336,24 @@ def test_metrics_count_each_batch_and_the_model_list_shows_the_limits():
     scorer.release.set()
     for request in [first, *waiting]:
         request.result()
+    assert scorer.batches == [["first"], ["b", "c"]]
     text = api.simulate_get("/metrics").text
-    assert 'semif_batch_rows_count{model="a"} 2.0' in text
-    assert 'semif_batch_rows_sum{model="a"} 4.0' in text  # 1 + (1 + 2)
-    assert 'semif_batch_tokens_sum{model="a"} 91.0' in text  # 1 x 1 + 3 x 30
-    assert 'semif_batch_padding_tokens_total{model="a"} 20.0' in text  # 90 - (10 + 60)
+    assert 'semif_batch_rows_count{model="a"} 2.0' in text  # one forward per batch
+    assert 'semif_batch_rows_sum{model="a"} 3.0' in text  # 1 + 2 rows, as they ran
+    assert 'semif_batch_tokens_sum{model="a"} 21.0' in text  # 7 + 14
+    assert 'semif_batch_padding_tokens_total{model="a"} 6.0' in text  # (7 - 5) + (14 - 10)
     models = api.simulate_get("/v1/models", headers=AUTH).json["models"]
     assert models[0]["batching"] == {"max_rows": 4, "max_tokens": 1000, "wait_ms": 0}
+
+
+def test_each_forward_is_counted_once_however_many_requests_ran_in_it():
+    shared, alone = Forward(3, 30, 20), Forward(1, 9, 9)
+    jobs = [Job(item=k, cost=Cost(1, 1), engine=None, prepare=lambda engine: None) for k in "abcd"]
+    for job, forward in zip(jobs, [shared, shared, alone, None]):
+        job.finish(Batched({}, forward.rows if forward else 1, 1, forward))
+    jobs.append(Job(item="e", cost=Cost(1, 1), engine=None, prepare=lambda engine: None))
+    jobs[-1].finish(OutOfMemory("CUDA out of memory"))  # ran in no forward
+    assert forwards(jobs) == [shared, alone]
 
 
 # -- the pieces on their own -------------------------------------------------------------------
@@ -350,22 +366,6 @@ def test_cost_of_an_encoded_input():
     assert cost_of(SimpleNamespace(prompts=prompts)) == Cost(3, 150)
     assert cost_of([parse_row(row()), parse_row(row())]) == Cost(2, 1)  # a fake's shared rows
     assert cost_of(parse_row(row())) == Cost(1, 1)
-
-
-def test_a_taken_job_cannot_be_withdrawn_and_a_queued_one_can():
-    observed = []
-    batcher = Batcher(1, 100, 0.0, lambda *batch: observed.append(batch))
-    jobs = [Job(item=k, cost=Cost(1, 1), engine=None, prepare=lambda engine: None) for k in "ab"]
-    for job in jobs:
-        batcher.submit(job)
-    assert batcher.take(lambda: None) == [jobs[0]] and jobs[0].taken
-    assert not batcher.withdraw(jobs[0])
-    assert batcher.withdraw(jobs[1]) and batcher.queued == 0
-    assert batcher.take(lambda: None) == []
-    assert observed == []  # taking is not recording: the leader records what it runs
-    batcher.record([jobs[0]])
-    batcher.record([])
-    assert observed == [(1, 1, 1)]  # only a batch that took something is observed
 
 
 def test_a_scorer_without_a_batch_step_scores_each_input_alone():
@@ -701,7 +701,7 @@ def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
         target=rt.register, args=("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60})
     )
     manager.start()
-    wait_until(lambda: rt.entry("a").unbatched_arrival() is not None)
+    wait_until(lambda: any(not waiter.is_request for waiter in rt.entry("a")._queue))
     after = Submitted(rt, "after")
     assert lone.result().outcome["id"] == "lone"
     company = Submitted(rt, "company")
@@ -711,19 +711,21 @@ def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
     assert scorer.batches == [["lone"], ["after", "company"]]
 
 
-def test_a_batch_whose_recording_fails_still_ends_every_request_in_it():
+def test_a_batch_whose_run_fails_still_ends_every_request_in_it(monkeypatch):
+    from semif_serve.runtime import registry
+
     scorer = BatchScorer()
     rt = batching_runtime(scorer)
     first = busy(rt, scorer)
     requests = [Submitted(rt, "b"), Submitted(rt, "c")]
     jobs_queued(rt, 2)
-    batcher = rt._batchers["a"]
+    real = registry.run_jobs
 
-    def broken(*figures):
-        batcher.observe = lambda *figures: None  # once
-        raise RuntimeError("a broken metrics hook")
+    def broken(*args):
+        monkeypatch.setattr(registry, "run_jobs", real)  # once
+        raise RuntimeError("a broken run")
 
-    batcher.observe = broken
+    monkeypatch.setattr(registry, "run_jobs", broken)
     scorer.release.set()
     first.result()
     outcomes = [request.result() for request in requests]  # bounded: nobody waits forever
@@ -735,56 +737,31 @@ def test_a_batch_whose_recording_fails_still_ends_every_request_in_it():
     assert scorer.batches == [["first"], ["d"]]
 
 
-class FrozenClock:
-    """The batcher's clock, moved only by the test (its condition still waits in real time)."""
+def test_a_metrics_hook_that_fails_is_logged_and_costs_no_request(caplog):
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer)
 
-    def __init__(self):
-        self.now = 1000.0
+    def broken(*figures):
+        raise RuntimeError("a broken metrics hook")
 
-    def monotonic(self):
-        return self.now
-
-
-def take_in_thread(batcher, before=None):
-    taken, done = [], threading.Event()
-
-    def run():
-        taken.extend(batcher.take(lambda: before))
-        done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    return taken, done
+    rt.on_batch = broken
+    assert Submitted(rt, "b").result().outcome["id"] == "b"
+    assert "recording a batch of model a failed" in caplog.text
 
 
 @pytest.mark.parametrize(
-    ("wait_s", "queued_rows", "waited_s", "returns_at_once"),
+    ("wait_s", "deadlines", "ends"),
     [
-        (5.0, [1, 1], 0.0, True),  # full (2 of 2 rows): no wait for company
-        (5.0, [1, 1, 1], 0.0, True),  # one left out: full
-        (5.0, [1], 0.0, False),  # room for more: waits while its clock does not move
-        (5.0, [1], 4.9, False),  # its oldest job has 0.1 s of its wait left
-        (5.0, [1], 5.0, True),  # its oldest job waited its time in the queue already
-        (0.0, [1], 0.0, True),  # no wait at all
+        (5.0, [None], 1005.0),  # no deadline: the leader's own wait
+        (5.0, [1010.0], 1005.0),  # a deadline after the wait
+        (5.0, [None, 1002.0], 1002.0 - DEADLINE_MARGIN_S),  # a companion's deadline is nearer
+        (5.0, [1003.0, 1002.5], 1002.5 - DEADLINE_MARGIN_S),  # the earliest of them
+        (0.0, [1002.0], 1000.0),  # no wait at all
+        (5.0, [1000.01], 1000.01 - DEADLINE_MARGIN_S),  # already too near: it runs at once
     ],
 )
-def test_a_batch_waits_only_while_it_is_not_full_and_its_wait_lasts(
-    monkeypatch, wait_s, queued_rows, waited_s, returns_at_once
+def test_a_batch_waits_for_company_until_its_wait_or_the_earliest_deadline_it_holds(
+    wait_s, deadlines, ends
 ):
-    from semif_serve.runtime import batcher as batcher_module
-
-    clock = FrozenClock()
-    monkeypatch.setattr(batcher_module, "time", clock)
-    batcher = Batcher(2, 1000, wait_s, lambda *batch: None)
-    for index, rows in enumerate(queued_rows):
-        batcher.submit(Job(item=index, cost=Cost(rows, 1), engine=None, prepare=lambda e: None))
-    clock.now += waited_s
-    taken, done = take_in_thread(batcher)
-    if returns_at_once:
-        assert done.wait(WAIT_S)
-        assert [job.item for job in taken] == list(range(min(2, len(queued_rows))))
-        return
-    assert not done.wait(0.2)  # bounded: still waiting for company
-    clock.now += wait_s - waited_s  # its wait is over
-    batcher.submit(Job(item="nudge", cost=Cost(5, 1), engine=None, prepare=lambda e: None))
-    assert done.wait(WAIT_S)
-    assert [job.item for job in taken] == [0]
+    held = [Deadline(at, None if at is None else 1.0) for at in deadlines]
+    assert gather_ends(1000.0, wait_s, held) == pytest.approx(ends)

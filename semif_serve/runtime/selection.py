@@ -1,4 +1,5 @@
-"""Which queued decision requests go into the next forward: the dynamic batcher's selection.
+"""Which queued decision requests go into the next forward, and how long a batch waits for them:
+the scheduler's pure choices (no clock, no lock).
 
 A pure function over the queue's costs, oldest first (as text-embeddings-inference's queue pops
 within `--max-batch-tokens`): requests are taken in arrival order and the selection stops at the
@@ -16,6 +17,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from semif_serve.runtime.waiting import Deadline
+
+# How long before the earliest deadline among its requests a batch stops waiting for company:
+# the leader must take them while their deadline has not passed (a request taken after its
+# deadline is dropped, unscored), and its thread needs a moment to wake.
+DEADLINE_MARGIN_S = 0.02
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """SEMIF_MAX_BATCH_ROWS, SEMIF_MAX_BATCH_TOKENS and SEMIF_BATCH_WAIT_MS (as seconds)."""
+
+    max_rows: int
+    max_tokens: int
+    wait_s: float
 
 
 @dataclass(frozen=True)
@@ -59,3 +76,15 @@ def cost_of(item: Any) -> Cost:
     if prompt is not None:
         return Cost(1, len(prompt.ids))
     return Cost(len(item) if isinstance(item, list) else 1, 1)
+
+
+def gather_ends(since: float, wait_s: float, deadlines: Sequence[Deadline]) -> float:
+    """When a batch whose leader arrived at `since` stops waiting for company: once the leader
+    has waited `wait_s` (its time in the queue counts, as Triton's queue delay does), or
+    DEADLINE_MARGIN_S before the earliest deadline of the requests it would take, whichever
+    comes first, so that waiting for company never costs a request its deadline."""
+    ends = since + wait_s
+    for deadline in deadlines:
+        if deadline.at is not None:
+            ends = min(ends, deadline.at - DEADLINE_MARGIN_S)
+    return ends

@@ -1,0 +1,133 @@
+"""`Job`: one batched request's work, and `run_jobs`: a batch of them, run as one engine call.
+
+A request that may be batched (SEMIF_MAX_BATCH_ROWS > 1, its input encoded before it queued)
+hands its scheduler a `Job`. Whichever request leads takes it into a batch (the scheduler
+decides who and which); from then on its request waits for `done`, and every way a batch can
+end finishes every job in it. Before the engine call each job is looked at once more: a job
+whose caller left is dropped (499), one encoded by an engine since replaced is encoded again.
+When models share one device, the batch waits for its turn there within its jobs' deadlines,
+dropping those that expire (503) or whose caller leaves (499) while it waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from semif_serve.errors import ClientGone, QueueTimedOut, ScoringFailed
+from semif_serve.runtime.selection import Cost
+from semif_serve.runtime.waiting import NEVER, Deadline, QueueTimeout, WaiterGone
+
+STOPPED = "the batch stopped before this request"
+LEFT = "the client closed its connection before its request was scored"
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's part of a batch; `outcome` is set (its result, or the exception its request
+    raises) and `done` set once it has been scored or dropped."""
+
+    item: Any  # what the engine's score_batch takes, encoded by `engine`
+    cost: Cost
+    engine: Any  # whose tokenizer encoded `item`
+    prepare: Callable[[Any], Any]  # encodes the request for another engine (a reloaded model)
+    gone: Callable[[], bool] | None = None
+    deadline: Deadline = NEVER
+    submitted: float = field(default_factory=time.monotonic)  # a batch's wait counts from it
+    taken: bool = False  # by a batch (the scheduler sets it, under its lock)
+    outcome: Any = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def finish(self, outcome: Any) -> None:
+        if not self.done.is_set():
+            self.outcome = outcome
+            self.done.set()
+
+    def dropped(self, expired: bool = False) -> bool:
+        """Finish this job unscored if its caller left, or (`expired`: asked after a wait) its
+        deadline passed; True if so. A deadline bounds waits: a job that never waited for
+        anything since it was taken runs, however short its timeout."""
+        if self.gone is not None and self.gone():
+            self.finish(ClientGone(LEFT))
+        elif expired and self.deadline.passed:
+            self.finish(QueueTimedOut(f"waited {self.deadline.timeout_s:g} s before its batch ran"))
+        return self.done.is_set()
+
+
+def run_jobs(engine: Any, jobs: list[Job], device: Any = None) -> list[Job]:
+    """Score `jobs` in one engine call (with the device's turn, when models share one) and hand
+    each its outcome; returns the jobs the call scored. Any failure of the call is each of
+    their outcomes; a job is never left unfinished."""
+    try:
+        live = _encoded(engine, [job for job in jobs if not job.dropped()])
+        if device is None:
+            _scored(engine, live)
+            return live
+        try:
+            waited = device.take(_latest(live), gone=lambda: not _live(live, expired=True))
+        except (QueueTimeout, WaiterGone):
+            _live(live, expired=True)  # every job left has expired or lost its caller meanwhile
+            return []
+        try:
+            live = _live(live, expired=waited)
+            _scored(engine, live)
+            return live
+        finally:
+            device.give()
+    finally:
+        for job in jobs:
+            job.finish(ScoringFailed(STOPPED))
+
+
+def forwards(jobs: list[Job]) -> list[Any]:
+    """The forwards the jobs' engine call ran, each once (their `Batched` outcomes name them)."""
+    ran: dict[int, Any] = {}
+    for job in jobs:
+        forward = getattr(job.outcome, "forward", None)
+        if forward is not None:
+            ran.setdefault(id(forward), forward)
+    return list(ran.values())
+
+
+def _encoded(engine: Any, jobs: list[Job]) -> list[Job]:
+    """The jobs, each encoded by `engine` (one encoded for an engine since replaced is encoded
+    again; one that cannot be is finished with its error)."""
+    ready = []
+    for job in jobs:
+        if job.engine is not engine:
+            try:
+                job.item, job.engine = job.prepare(engine), engine
+            except Exception as error:  # noqa: BLE001 - handed to its request, raised there
+                job.finish(error)
+                continue
+        ready.append(job)
+    return ready
+
+
+def _live(jobs: list[Job], expired: bool = False) -> list[Job]:
+    return [job for job in jobs if not job.dropped(expired)]
+
+
+def _latest(jobs: list[Job]) -> Deadline:
+    """The last of the jobs' deadlines (NEVER when one has none): the batch waits until then."""
+    if not jobs or any(job.deadline.at is None for job in jobs):
+        return NEVER
+    return max(jobs, key=lambda job: job.deadline.at).deadline
+
+
+def _scored(engine: Any, jobs: list[Job]) -> None:
+    if not jobs:
+        return
+    try:
+        outcomes = engine.score_batch([job.item for job in jobs])
+        if len(outcomes) != len(jobs):
+            raise ScoringFailed(f"the scorer returned {len(outcomes)} outcomes for {len(jobs)}")
+    except Exception as error:  # noqa: BLE001 - every job's, raised in its own request
+        for job in jobs:
+            job.finish(error)
+        return
+    for job, outcome in zip(jobs, outcomes):
+        job.finish(outcome)

@@ -1,0 +1,227 @@
+"""Issue 30, "exact on every path": whichever path scores a row, it gets the logits the model's
+own forward gives it, post-processing included (Cohere's `logit_scale`, Granite's
+`logits_scaling`, Gemma2's `final_logit_softcapping`), so a result never depends on who else was
+queued or on a cache hit; a model whose forward post-processes its logits in a way the scorers
+do not reproduce is refused when it is wrapped.
+
+The reference is the direct scorer on one row (`scoring.score`, no cache), which calls the whole
+model. Every other path reads the decoder's hidden states and applies the head itself:
+- `batched-padded`: plain rows of different lengths in one right-padded forward (`score_batch`);
+- `batched-over-state`: rows over one state in one batch, sharing one prefill (`score_batch`);
+- `shared`: a `/decide/shared` call (`score_shared`): packed for attention-only models, the
+  prefix replicated per row for the others (Qwen3.5's linear attention, Gemma2's windows);
+- `packed`: `packed.forward_packed` itself (attention-only models, the only ones it serves);
+- `cached-hit`: the direct scorer resuming a stored prefill of the row's state prefix.
+Tiny random models, fp32 on the CPU; logits and probabilities within 1e-5. Then the head itself
+against the whole model for every class it accepts, and the refusal of any other.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rows_factory import STATE, make_rows
+from tiny_models import (
+    byte_tokenizer,
+    tiny_causal_lm,
+    tiny_cohere,
+    tiny_falcon_h1,
+    tiny_gemma2,
+    tiny_granite,
+    tiny_llama,
+)
+from transformers import LlamaForCausalLM
+
+from semif_serve.loading import load_model
+from semif_serve.scoring import ModelInfo, ScoringModel, parse_row, score, score_shared
+from semif_serve.scoring.batched import score_batch
+from semif_serve.scoring.head import POST_PROCESSING, UnsupportedModel, letter_logits
+from semif_serve.scoring.inputs import direct_input, shared_input
+from semif_serve.scoring.packed import forward_packed
+from semif_serve.scoring.prefix_cache import PrefixCache
+from semif_serve.scoring.result import letter_probabilities
+from semif_serve.scoring.shared import is_pure_attention
+
+TOLERANCE = 1e-5
+MAX_TOKENS = 4096
+INFO = ModelInfo(source="test:exact-paths", revision="seed-0", dtype="float32", device="cpu")
+
+# Byte-tokenizer models; "qwen3.5" is conftest's tiny hybrid Qwen3.5 on its real tokenizer.
+BYTE_MODELS = {
+    "llama": tiny_llama,
+    "cohere": tiny_cohere,
+    "granite": tiny_granite,
+    "gemma2": tiny_gemma2,
+}
+MODELS = ["llama", "qwen3.5", "cohere", "granite", "gemma2"]
+
+
+def state(number: int, words: int = 0) -> dict:
+    return {**STATE, "ticket": f"Ticket {number}: {STATE['ticket']}" + " more" * words}
+
+
+def rows_over(one_state: dict, count: int, prefix: str) -> list:
+    """`count` rows over `one_state` with 2..4 options and questions of their own lengths."""
+    return [parse_row(row) for row in make_rows(count, [2, 3, 4], state=one_state, prefix=prefix)]
+
+
+def batched_padded(model: ScoringModel) -> list:
+    """Plain rows over states of different lengths: one right-padded forward."""
+    rows = [rows_over(state(index, 5 * index), 1, f"plain{index}")[0] for index in range(3)]
+    inputs = [direct_input(model.tokenizer, row, MAX_TOKENS, with_prefix=False) for row in rows]
+    assert len({len(item.prompt.ids) for item in inputs}) == 3  # real padding
+    outcomes = score_batch(model, inputs, max_tokens=MAX_TOKENS)
+    assert [outcome.rows for outcome in outcomes] == [3, 3, 3]
+    return [(row, outcome.outcome) for row, outcome in zip(rows, outcomes)]
+
+
+def batched_over_state(model: ScoringModel) -> list:
+    """Rows over one state in one batch, no cache: one prefill, then their suffixes."""
+    rows = rows_over(state(7, 3), 3, "same")
+    inputs = [direct_input(model.tokenizer, row, MAX_TOKENS, with_prefix=True) for row in rows]
+    outcomes = score_batch(model, inputs, max_tokens=MAX_TOKENS)
+    assert [outcome.rows for outcome in outcomes] == [3, 3, 3]
+    return [(row, outcome.outcome) for row, outcome in zip(rows, outcomes)]
+
+
+def shared(model: ScoringModel) -> list:
+    rows = rows_over(state(8, 2), 3, "shared")
+    results, _ = score_shared(model, rows, max_tokens=MAX_TOKENS)
+    return list(zip(rows, results))
+
+
+def packed(model: ScoringModel) -> list:
+    rows = rows_over(state(9, 4), 3, "packed")
+    encoded = shared_input(model.tokenizer, rows, MAX_TOKENS)
+    logits, _ = forward_packed(model.model, encoded.prefix_ids, encoded.prompts, None, None)
+    return [
+        (row, {"option_logits": row_logits.tolist(), "probabilities": _probabilities(row_logits)})
+        for row, row_logits in zip(rows, logits)
+    ]
+
+
+def cached_hit(model: ScoringModel) -> list:
+    """One row stores its state prefix; the next rows over that state resume it."""
+    cache = PrefixCache(1 << 30, min_tokens=16).for_model(("exact-paths", id(model)))
+    stored, *rows = rows_over(state(10, 6), 3, "cached")
+    score(model, stored, max_tokens=MAX_TOKENS, prefix_cache=cache)
+    results = [score(model, row, max_tokens=MAX_TOKENS, prefix_cache=cache) for row in rows]
+    assert [result["cache_hit"] for result in results] == [True, True]
+    return list(zip(rows, results))
+
+
+def _probabilities(letter_logits: torch.Tensor) -> list[float]:
+    return letter_probabilities(letter_logits).tolist()
+
+
+PATHS = {
+    "batched-padded": batched_padded,
+    "batched-over-state": batched_over_state,
+    "shared": shared,
+    "packed": packed,
+    "cached-hit": cached_hit,
+}
+# Paths a model never takes: packing needs attention-only layers (Qwen3.5 has linear attention,
+# Gemma2 sliding windows), and a prefill is stored only when its cache can be shared
+# (Gemma2's sliding-window layers cannot: its rows always prefill).
+NOT_TAKEN = {("qwen3.5", "packed"), ("gemma2", "packed"), ("gemma2", "cached-hit")}
+CASES = [
+    pytest.param(name, path, id=f"{name}-{path}")
+    for name in MODELS
+    for path in PATHS
+    if (name, path) not in NOT_TAKEN
+]
+
+
+@pytest.fixture(scope="module")
+def byte_models() -> dict[str, ScoringModel]:
+    tokenizer = byte_tokenizer()
+    return {name: ScoringModel(build(), tokenizer, INFO) for name, build in BYTE_MODELS.items()}
+
+
+@pytest.fixture
+def scoring_model(request, byte_models, model_name) -> ScoringModel:
+    return (
+        request.getfixturevalue("tiny_qwen") if model_name == "qwen3.5" else byte_models[model_name]
+    )
+
+
+@pytest.mark.parametrize(("model_name", "path"), CASES)
+def test_every_path_gives_what_the_whole_model_gives_one_row_alone(scoring_model, path):
+    for row, result in PATHS[path](scoring_model):
+        alone = score(scoring_model, row, max_tokens=MAX_TOKENS)
+        assert result["option_logits"] == pytest.approx(alone["option_logits"], abs=TOLERANCE)
+        assert result["probabilities"] == pytest.approx(alone["probabilities"], abs=TOLERANCE)
+
+
+def test_the_paths_a_model_never_takes_are_the_ones_left_out(byte_models, tiny_qwen):
+    """NOT_TAKEN is what the scorers do, not a convenience: packing is for attention-only models,
+    and the prefix cache stores no Gemma2 prefill."""
+    models = {**byte_models, "qwen3.5": tiny_qwen}
+    packable = {name for name, model in models.items() if is_pure_attention(model.model)}
+    assert packable == {"llama", "cohere", "granite"}
+    cache = PrefixCache(1 << 30, min_tokens=16).for_model(("exact-paths", "gemma2"))
+    stored, row = rows_over(state(11, 6), 2, "uncached")
+    for item in (stored, row):
+        result = score(models["gemma2"], item, max_tokens=MAX_TOKENS, prefix_cache=cache)
+    assert not result["cache_hit"] and cache.stats()["entries"] == 0
+
+
+# The accepted classes whose forward changes the logits after `lm_head`.
+POST_PROCESSED = {
+    "CohereForCausalLM",
+    "GraniteForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+}
+
+
+@pytest.mark.parametrize("class_name", list(POST_PROCESSING))
+def test_the_head_gives_every_accepted_class_what_its_whole_forward_gives(class_name):
+    """For each class the scorers accept (each has a tiny model in TINY_EXTRAS): letter logits
+    read from the decoder's hidden states through `head.letter_logits` equal the whole model's,
+    two rows at once; and for the post-processing classes the bare `lm_head` would not."""
+    model = tiny_causal_lm(class_name)
+    input_ids = torch.randint(3, 300, (2, 80), generator=torch.Generator().manual_seed(1))
+    prompts = [
+        SimpleNamespace(letter_token_ids=[65, 66, 67]),
+        SimpleNamespace(letter_token_ids=[7, 299]),
+    ]
+    with torch.inference_mode():
+        whole = model(input_ids=input_ids).logits[:, -1]
+        hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state[:, -1]
+        letters = letter_logits(model, hidden, prompts)
+        bare = model.get_output_embeddings()(hidden)
+    for row, prompt in enumerate(prompts):
+        expected = whole[row, prompt.letter_token_ids]
+        assert letters[row].tolist() == pytest.approx(expected.tolist(), abs=TOLERANCE)
+    changed = not torch.allclose(bare, whole, rtol=0, atol=TOLERANCE)
+    assert changed == (class_name in POST_PROCESSED)
+
+
+class ScaledLlama(LlamaForCausalLM):
+    """A subclass free to post-process its logits in its own forward."""
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        pytest.param(lambda: ScaledLlama(tiny_llama().config), r"\.ScaledLlama ", id="subclass"),
+        pytest.param(lambda: torch.nn.Linear(2, 2), r"torch\.nn\..*\.Linear ", id="not-an-lm"),
+    ],
+)
+def test_a_model_of_any_other_class_is_refused_when_it_is_wrapped(build, named):
+    with pytest.raises(UnsupportedModel, match=named + r"is not supported") as refused:
+        ScoringModel(build(), byte_tokenizer(), INFO)
+    assert "CohereForCausalLM" in str(refused.value)  # what is supported, named
+
+
+def test_a_refused_class_is_refused_when_it_is_loaded(tmp_path):
+    """From a model folder, as the server loads one: FalconH1 scales its logits by its own
+    `lm_head_multiplier`, which the scorers do not reproduce."""
+    tiny_falcon_h1().save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel, match=r"\.FalconH1ForCausalLM is not supported"):
+        load_model(str(tmp_path))
