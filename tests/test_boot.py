@@ -88,7 +88,8 @@ def test_no_cap_sets_no_fraction_and_a_cap_over_the_card_refuses_to_start(tiny_q
 
 
 def test_a_failing_warm_up_stops_startup(tiny_qwen):
-    broken = type(tiny_qwen)(model=None, tokenizer=tiny_qwen.tokenizer, info=tiny_qwen.info)
+    broken = type(tiny_qwen)(model=tiny_qwen.model, tokenizer=tiny_qwen.tokenizer, info=tiny_qwen.info)
+    object.__setattr__(broken, "model", None)  # past the load's checks: its first call fails
     with pytest.raises(StartupError, match="the warm-up decision failed"):
         build_engine(gpu_settings(), torch_module=FakeTorch(), load=loader(broken))
 

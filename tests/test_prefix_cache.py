@@ -210,6 +210,11 @@ def test_closing_the_engine_frees_its_models_entries(tiny_qwen):
     assert cache.total_bytes == 0 and cache.stats(scorer.prefix_cache.model)["entries"] == 0
 
 
+def through_the_engine(scorer: TorchScorer) -> Engine:
+    """The scorer as the server calls it: the engine applies the out-of-memory policy."""
+    return Engine(scorer, torch_module=torch)
+
+
 def out_of_memory_once_while_copying(monkeypatch) -> list:
     """The next working copy of a stored prefix runs out of memory, later ones work; the list
     returned holds one entry once it has."""
@@ -232,7 +237,7 @@ def test_out_of_memory_while_inserting_drops_entries_and_scores_cold(tiny_qwen, 
     other, row = make_rows(1, 2, state=state(5))[0], make_rows(1, 2)[0]
     scorer.score(other)
     failures = out_of_memory_once_while_copying(monkeypatch)
-    result = scorer.score(row)
+    result = through_the_engine(scorer).score(row)
 
     assert failures and result["cache_hit"] is False
     assert worst_difference(fresh(tiny_qwen, [row])[0], result) <= TOLERANCE
@@ -251,7 +256,7 @@ def test_out_of_memory_drops_only_the_failing_models_entries(tiny_qwen, monkeypa
     neighbours_bytes = neighbour.cache_stats()["bytes"]
     assert neighbours_bytes > 0 and scorer.cache_stats()["bytes"] > 0
     failures = out_of_memory_once_while_copying(monkeypatch)
-    result = scorer.score(make_rows(1, 2, state=state(6))[0])  # a hit that fails, then cold
+    result = through_the_engine(scorer).score(make_rows(1, 2, state=state(6))[0])  # fails, cold
     assert failures and result["cache_hit"] is False
     assert neighbour.cache_stats()["bytes"] == neighbours_bytes  # untouched
     assert scorer.cache_stats()["entries"] == 0  # its own were dropped; the cold call stores none
@@ -272,7 +277,7 @@ def test_out_of_memory_with_only_a_neighbours_entries_is_503_at_once(tiny_qwen, 
 
     monkeypatch.setattr("semif_serve.scoring.prefill.prefill", out_of_memory)
     with pytest.raises(OutOfMemory, match="CUDA out of memory"):
-        scorer.score(make_rows(1, 2)[0])
+        through_the_engine(scorer).score(make_rows(1, 2)[0])
     assert len(calls) == 1  # not run again
     assert cache.total_bytes == stored  # the neighbour's entries stay
 
@@ -285,4 +290,4 @@ def test_out_of_memory_with_nothing_stored_is_the_engines_to_report(tiny_qwen, m
 
     monkeypatch.setattr("semif_serve.scoring.prefill.prefill", out_of_memory)
     with pytest.raises(OutOfMemory, match="CUDA out of memory"):
-        scorer.score(make_rows(1, 2)[0])
+        through_the_engine(scorer).score(make_rows(1, 2)[0])

@@ -18,15 +18,18 @@ import threading
 
 import pytest
 import torch
-from fakes import WAIT_S, FakeScorer, row, settings
+from fakes import AUTH, WAIT_S, FakeScorer, fake_runtime, row, settings
+from falcon import testing
 from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
 
 from semif_serve.engine import Engine
 from semif_serve.errors import ClientGone, ModelLoadFailed, OutOfMemory, QueueTimedOut
+from semif_serve.http import create_app
 from semif_serve.runtime.device import DeviceQueue
 from semif_serve.runtime.jobs import Job
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.selection import Cost
+from semif_serve.runtime.service import DecisionService
 from semif_serve.runtime.waiting import QueueTimeout, WaiterGone, deadline_after
 from semif_serve.scoring import parse_row
 from semif_serve.scoring.inputs import Batched
@@ -106,6 +109,21 @@ def test_a_batch_stops_waiting_for_company_before_a_companions_deadline():
     hurried = Request(rt, "hurried", timeout_s=1.0)
     assert hurried.outcome()["id"] == "hurried"  # scored in time, not a 503
     assert lone.outcome()["id"] == "lone"
+    assert scorer.batches == [["lone", "hurried"]]
+
+
+def test_through_http_a_companion_with_a_short_timeout_gets_its_answer_not_a_503():
+    """The same case through the service and its batched branch (503 server_busy on main)."""
+    scorer = BatchScorer()
+    config = settings(max_batch_rows=4, batch_wait_ms=int(WAIT_S * 1000 * 0.8))
+    rt = fake_runtime(scorer, config)
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    lone = Background(lambda: api.simulate_post("/decide", json=row(id="lone"), headers=AUTH))
+    wait_until(lambda: rt.entry(None)._active == 1)
+    hurried = api.simulate_post("/decide", json=row(id="hurried", timeout_s=1.0), headers=AUTH)
+    assert hurried.status_code == 200, hurried.json
+    assert hurried.json["batch"]["rows"] == 2
+    assert lone.result().status_code == 200
     assert scorer.batches == [["lone", "hurried"]]
 
 

@@ -166,12 +166,13 @@ class Acceptance:
             for i in ids
             if reference[i].get("prompt_sha256") not in (None, served[i]["prompt_sha256"])
         ]
-        model = self.health.get("model") or {}
+        # Each row's own served model (/health names the model by id only, never its source).
         other_model = [
             key
             for key in MODEL_KEYS
             if any(
-                reference[i].get("model", {}).get(key, model.get(key)) != model.get(key)
+                reference[i].get("model", {}).get(key, served[i]["model"].get(key))
+                != served[i]["model"].get(key)
                 for i in ids
             )
         ]

@@ -83,10 +83,12 @@ def run_accept(args: argparse.Namespace) -> int:
         speed_rows = read_plain_rows(args.speed_rows)
         client = stack.enter_context(_client(args))
         path = args.reference
+        rows = read_plain_rows(args.data)
         if path is not None and path.is_dir():
-            path = _reference_in(path, client.health().get("model") or {})
+            # The served model as results name it (source included: /health names only its id).
+            path = _reference_in(path, client.decide(rows[0]).get("model") or {})
         inputs = AcceptInputs(
-            rows=read_plain_rows(args.data),
+            rows=rows,
             speed_rows=speed_rows,
             reference=read_results(path) if path is not None else None,
             repeats=args.repeats,

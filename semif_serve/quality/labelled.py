@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from semif_serve.batch import json_lines
+from semif_serve.score_file import json_lines
 from semif_serve.scoring.prompt import LETTERS
 from semif_serve.scoring.rows import InvalidRow, parse_row
 
