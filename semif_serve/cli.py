@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from semif_serve.score_file import BatchInputError, output_file, read_rows, score_file
     from semif_serve.builtin import BuiltinModelError
     from semif_serve.loading import ModelLoadError, load_model
+    from semif_serve.score_file import BatchInputError, output_file, read_rows, score_file
     from semif_serve.scoring import score, score_shared
 
     try:

@@ -399,3 +399,22 @@ def test_a_request_that_fits_nowhere_is_its_own_503_and_the_rest_are_scored():
     outcomes = Engine(scorer, torch_module=torch).score_batch(rows("a", "b"))
     assert outcomes[0].outcome["id"] == "a"
     assert isinstance(outcomes[1], OutOfMemory)
+
+
+def test_a_load_whose_thread_cannot_start_leaves_the_model_unloaded(monkeypatch):
+    factory = Factory()
+    rt = runtime(spec("a"), factory=factory)
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if thread.name.startswith("semif-load-"):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    failed = Held(rt, "a")
+    assert failed.done.wait(WAIT_S) and "can't start new thread" in str(failed.error)
+    assert rt.entry("a").state == "unloaded" and rt.entry("a")._active == 0
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert Held(rt, "a").finish().error is None  # the next request loads it
+    assert Background(lambda: rt.unload("a")).result() == {"id": "a", "loaded": False}

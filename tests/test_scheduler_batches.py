@@ -21,10 +21,10 @@ from semif_serve.engine import Engine
 from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut, ScoringFailed
 from semif_serve.http import create_app
 from semif_serve.runtime.jobs import Job, forwards
-from semif_serve.runtime.selection import DEADLINE_MARGIN_S, Cost, cost_of, gather_ends
-from semif_serve.runtime.waiting import Deadline
 from semif_serve.runtime.registry import Runtime
+from semif_serve.runtime.selection import Cost, cost_of, gather_ends
 from semif_serve.runtime.service import DecisionService
+from semif_serve.runtime.waiting import NEVER, Deadline
 from semif_serve.scoring import PromptRejected, parse_row
 from semif_serve.scoring.inputs import Batched, Forward
 from semif_serve.sockets import CLIENT_GONE_KEY
@@ -753,15 +753,16 @@ def test_a_metrics_hook_that_fails_is_logged_and_costs_no_request(caplog):
     ("wait_s", "deadlines", "ends"),
     [
         (5.0, [None], 1005.0),  # no deadline: the leader's own wait
-        (5.0, [1010.0], 1005.0),  # a deadline after the wait
-        (5.0, [None, 1002.0], 1002.0 - DEADLINE_MARGIN_S),  # a companion's deadline is nearer
-        (5.0, [1003.0, 1002.5], 1002.5 - DEADLINE_MARGIN_S),  # the earliest of them
-        (0.0, [1002.0], 1000.0),  # no wait at all
-        (5.0, [1000.01], 1000.01 - DEADLINE_MARGIN_S),  # already too near: it runs at once
+        (5.0, [(1010.0, 1.0)], 1005.0),  # a deadline after the wait
+        (5.0, [None, (1002.0, 0.2)], 1002.0 - 0.02),  # a companion's is nearer: 20 ms before
+        (5.0, [(1003.0, 4.0), (1002.5, 4.0)], 1002.5 - 0.2),  # the earliest; 5% of 4 s
+        (5.0, [(1002.0, 0.4), (1002.1, 8.0)], 1002.1 - 0.4),  # the margin counts: 1001.7 first
+        (0.0, [(1002.0, 1.0)], 1000.0),  # no wait at all
+        (5.0, [(1000.01, 1.0)], 1000.01 - 0.05),  # already too near: it runs at once
     ],
 )
 def test_a_batch_waits_for_company_until_its_wait_or_the_earliest_deadline_it_holds(
     wait_s, deadlines, ends
 ):
-    held = [Deadline(at, None if at is None else 1.0) for at in deadlines]
+    held = [NEVER if d is None else Deadline(*d) for d in deadlines]
     assert gather_ends(1000.0, wait_s, held) == pytest.approx(ends)

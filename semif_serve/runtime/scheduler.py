@@ -286,7 +286,11 @@ class ModelScheduler:
                     self._cond.notify_all()
 
         self._loader = threading.Thread(target=run, name=f"semif-load-{self.spec.id}", daemon=True)
-        self._loader.start()
+        try:
+            self._loader.start()
+        except BaseException:  # no thread ("can't start new thread"): nothing is loading
+            self.state, self._loader = UNLOADED, None
+            raise
 
     # -- management ----------------------------------------------------------------------------
 

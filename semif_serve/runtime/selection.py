@@ -20,10 +20,12 @@ from typing import Any
 
 from semif_serve.runtime.waiting import Deadline
 
-# How long before the earliest deadline among its requests a batch stops waiting for company:
-# the leader must take them while their deadline has not passed (a request taken after its
-# deadline is dropped, unscored), and its thread needs a moment to wake.
+# How long before a request's deadline a batch that would take it stops waiting for company:
+# the leader must take it while its deadline has not passed (else the request's own wait ends
+# first, a 503), and the leader's thread needs a moment to wake: 5% of the request's timeout,
+# at least 20 ms.
 DEADLINE_MARGIN_S = 0.02
+DEADLINE_MARGIN_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,12 @@ def cost_of(item: Any) -> Cost:
 
 def gather_ends(since: float, wait_s: float, deadlines: Sequence[Deadline]) -> float:
     """When a batch whose leader arrived at `since` stops waiting for company: once the leader
-    has waited `wait_s` (its time in the queue counts, as Triton's queue delay does), or
-    DEADLINE_MARGIN_S before the earliest deadline of the requests it would take, whichever
+    has waited `wait_s` (its time in the queue counts, as Triton's queue delay does), or a
+    margin before the earliest deadline of the requests it would take, whichever
     comes first, so that waiting for company never costs a request its deadline."""
     ends = since + wait_s
     for deadline in deadlines:
         if deadline.at is not None:
-            ends = min(ends, deadline.at - DEADLINE_MARGIN_S)
+            margin = max(DEADLINE_MARGIN_S, DEADLINE_MARGIN_SHARE * deadline.timeout_s)
+            ends = min(ends, deadline.at - margin)
     return ends
