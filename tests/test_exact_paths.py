@@ -34,7 +34,7 @@ from tiny_models import (
 )
 from transformers import LlamaForCausalLM
 
-from semif_serve.loading import load_model
+from semif_serve.loading import ModelLoadError, load_model
 from semif_serve.scoring import ModelInfo, ScoringModel, parse_row, score, score_shared
 from semif_serve.scoring.batched import score_batch
 from semif_serve.scoring.head import POST_PROCESSING, UnsupportedModel, letter_logits
@@ -220,8 +220,10 @@ def test_a_model_of_any_other_class_is_refused_when_it_is_wrapped(build, named):
 
 def test_a_refused_class_is_refused_when_it_is_loaded(tmp_path):
     """From a model folder, as the server loads one: FalconH1 scales its logits by its own
-    `lm_head_multiplier`, which the scorers do not reproduce."""
+    `lm_head_multiplier`, which the scorers do not reproduce. A load error (503 on a PUT, a
+    failed start, `semif-serve score`'s own message), naming the folder and the class."""
     tiny_falcon_h1().save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModel, match=r"\.FalconH1ForCausalLM is not supported"):
+    with pytest.raises(ModelLoadError, match=r"\.FalconH1ForCausalLM is not supported") as caught:
         load_model(str(tmp_path))
+    assert str(caught.value).startswith(f"{tmp_path}: ")

