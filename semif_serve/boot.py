@@ -193,6 +193,8 @@ def build_engine(
             max_tokens=spec.max_tokens,
             max_rows=settings.max_decisions,
             lock=lock,  # the process-wide lock, taken per shape (INV-2 during a load beside)
+            max_batch_rows=settings.max_batch_rows,  # every batch shape the budget can reach
+            max_batch_tokens=settings.max_batch_tokens,
         )
     except StartupError:
         raise

@@ -155,6 +155,13 @@ class Engine:
             value = error
         return Batched(value, len(item) if shared else 1, 0)
 
+    def batch_tokens(self, rows: int, length: int) -> int:
+        """The tokens one batch forward of `rows` rows whose longest prompt is `length` holds as
+        this model runs it (the batch budget's count): its scorer's (shape buckets on CUDA),
+        else rows x length."""
+        count = getattr(self._scorer, "batch_tokens", None)
+        return rows * length if count is None else count(rows, length)
+
     def cache_stats(self) -> dict[str, int] | None:
         """The model's state-prefix cache: hits, misses, evictions, bytes, entries (None: off)."""
         stats = getattr(self._scorer, "cache_stats", None)

@@ -21,6 +21,7 @@ from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput, direct
 from semif_serve.scoring.length_bound import bytes_per_token
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
 from semif_serve.scoring.rows import Row
+from semif_serve.scoring.shapes import AUTO, bucketed_tokens, resolve
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,12 @@ class TorchScorer:
         return score_batch(
             self.scoring_model, items, max_tokens=self.max_tokens, prefix_cache=self._cache(cached)
         )
+
+    def batch_tokens(self, rows: int, length: int) -> int:
+        """A batch forward's tokens as this model runs it: bucketed rows x width on CUDA
+        (`shapes.bucketed_tokens`), rows x length on the CPU."""
+        buckets = resolve(AUTO, self.scoring_model.model.device)
+        return bucketed_tokens(rows, length, buckets)
 
     def cache_stats(self) -> dict[str, int] | None:
         """hits, misses, evictions, bytes and entries of this model's prefixes (None: cache off)."""

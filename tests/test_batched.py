@@ -58,6 +58,44 @@ def test_plain_rows_in_one_padded_forward_score_as_alone(request, model_name):
         assert close(outcome.outcome, score(scoring_model, row, max_tokens=MAX_TOKENS))
 
 
+def test_each_outcome_names_the_forward_it_ran_in_as_it_ran(tiny_qwen):
+    """The metrics' account (issue 30): plain rows share one Forward of the tensor's own shape
+    (with buckets forced, padded rows and width included); rows over one state share the shared
+    forward's (its prefill and padded suffixes); a shared call alone has its own."""
+    from semif_serve.scoring.shapes import DEFAULT
+
+    tokenizer = tiny_qwen.tokenizer
+    rows = [parse_row(row) for row in plain_rows(3)]
+    inputs = [direct_input(tokenizer, row, MAX_TOKENS, with_prefix=False) for row in rows]
+    lengths = [len(item.prompt.ids) for item in inputs]
+    plain = score_batch(tiny_qwen, inputs, max_tokens=MAX_TOKENS, buckets=None)
+    assert len({id(outcome.forward) for outcome in plain}) == 1
+    forward = plain[0].forward
+    assert (forward.rows, forward.tokens, forward.real_tokens) == (
+        3,
+        3 * max(lengths),
+        sum(lengths),
+    )
+    bucketed = score_batch(tiny_qwen, inputs, max_tokens=MAX_TOKENS, buckets=DEFAULT)[0].forward
+    rows_run, width_run = DEFAULT.batch(3, max(lengths))
+    assert (
+        (bucketed.rows, bucketed.tokens) == (rows_run, rows_run * width_run) == (4, 4 * width_run)
+    )
+    assert bucketed.real_tokens == sum(lengths)
+
+    over_state = [
+        direct_input(tokenizer, parse_row(row), MAX_TOKENS, with_prefix=True)
+        for row in make_rows(2, 3, state=state(99, 30))
+    ]
+    grouped = score_batch(tiny_qwen, over_state, max_tokens=MAX_TOKENS, buckets=None)
+    assert grouped[0].forward is grouped[1].forward
+    prefix = len(over_state[0].prefix_ids)
+    suffixes = sum(len(item.prompt.ids) - prefix for item in over_state)
+    assert grouped[0].forward.rows == 2
+    assert grouped[0].forward.real_tokens == prefix + suffixes
+    assert grouped[0].forward.tokens >= grouped[0].forward.real_tokens
+
+
 @given(data=st.data())
 @settings(max_examples=8, deadline=None)
 def test_any_mix_of_direct_and_shared_units_scores_as_alone(tiny_qwen, data):

@@ -460,9 +460,26 @@ def test_the_shape_warm_up_runs_after_the_decision_and_its_largest_shape_sizes_c
     warm_up.fake, warm_up.input_tokens, warm_up.peak = fake, 100, 4 * GIB
     lock = threading.Lock()
     model = scoring_model()
-    config = gpu(vram_cap_gib=40.0, max_tokens=4096, max_decisions=48)
+    config = gpu(
+        vram_cap_gib=40.0,
+        max_tokens=4096,
+        max_decisions=48,
+        max_batch_rows=8,
+        max_batch_tokens=2048,
+    )
     engine = build_engine(config, torch_module=fake, load=Loads(model), lock=lock)
-    assert warm_up.shape_calls == [(model, {"max_tokens": 4096, "max_rows": 48, "lock": lock})]
+    assert warm_up.shape_calls == [
+        (
+            model,
+            {
+                "max_tokens": 4096,
+                "max_rows": 48,
+                "lock": lock,
+                "max_batch_rows": 8,  # every batch shape the budget reaches (issue 30)
+                "max_batch_tokens": 2048,
+            },
+        )
+    ]
     # without the shape warm-up: 4 GiB x 4096 / 100 tokens per decision, far over the cap
     assert engine.max_parallel_slots == 1
     warm_up.shapes = {"largest_direct_tokens": 4096}

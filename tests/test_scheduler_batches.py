@@ -168,6 +168,31 @@ def test_the_token_budget_counts_rows_times_the_longest_prompt():
     assert scorer.batches == [["first"], ["b", "c"], ["d", "e"]]
 
 
+class BucketingScorer(BatchScorer):
+    """Counts a forward's tokens as a CUDA model with shape buckets runs it: rows padded to a
+    power of two (`TorchScorer.batch_tokens` over `shapes.bucketed_tokens`)."""
+
+    def batch_tokens(self, rows, length):
+        return (1 << (rows - 1).bit_length()) * length
+
+
+def test_the_token_budget_counts_a_forward_as_the_model_runs_it_buckets_included():
+    """Issue 30, finding 5: rows x longest fitted the budget while the bucketed forward did not
+    (14 x 1,170 counted 16,380 tokens and ran 16 x 1,280)."""
+    scorer = BucketingScorer()
+    rt = batching_runtime(scorer, max_batch_tokens=1000, max_batch_rows=8)
+    first = busy(rt, scorer)
+    waiting = []
+    for name in "bcd":
+        waiting.append(Submitted(rt, name, length=300))
+        jobs_queued(rt, len(waiting))
+    scorer.release.set()
+    for request in [first, *waiting]:
+        request.result()
+    # b, c, d: 3 x 300 = 900 tokens, but they run as 4 x 300 = 1,200: only b, c go together
+    assert scorer.batches == [["first"], ["b", "c"], ["d"]]
+
+
 def test_a_queued_request_past_its_timeout_leaves_unscored():
     scorer = BatchScorer()
     rt = batching_runtime(scorer)

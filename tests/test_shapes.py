@@ -54,6 +54,9 @@ def test_the_default_tables_as_documented():
     assert [DEFAULT.rows_per_forward(n) for n in (64, 128, 192, 512, 4096, 9000)] == [
         128, 64, 32, 16, 2, 1,
     ]  # fmt: skip
+    assert [DEFAULT.batch(n, 1025) for n in (2, 3, 9, 65)] == [
+        (2, 1152), (4, 1152), (16, 1152), (128, 1152),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("buckets", [DEFAULT, SMALL])

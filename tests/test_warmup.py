@@ -153,6 +153,30 @@ def test_a_shape_that_runs_out_of_memory_is_reported_and_skipped(monkeypatch, ti
         warm_up_shapes(tiny_qwen, max_tokens=200, max_rows=2, buckets=TABLE)
 
 
+def test_a_batched_shape_that_runs_out_of_memory_is_reported_and_not_counted(
+    monkeypatch, tiny_qwen
+):
+    import semif_serve.warmup as warmup
+
+    def batched(model, rows, width):
+        if rows * width > 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(warmup, "_direct", lambda *args: None)
+    monkeypatch.setattr(warmup, "_shared", lambda *args: None)
+    monkeypatch.setattr(warmup, "_batched", batched)
+    limits = {"max_batch_rows": 4, "max_batch_tokens": 512}
+    report = warm_up_shapes(tiny_qwen, max_tokens=200, max_rows=2, buckets=TABLE, **limits)
+    reachable = TABLE.batch_shapes(max_rows=4, max_tokens=512, longest=200)
+    assert reachable == [(2, 32), (2, 64), (2, 96), (2, 128), (2, 192), (2, 256), (4, 32),
+                         (4, 64), (4, 96), (4, 128)]  # fmt: skip
+    assert report["out_of_memory"] == ["batched (2, 192)", "batched (2, 256)", "batched (4, 96)",
+                                       "batched (4, 128)"]  # fmt: skip
+    assert report["batched_shapes"] == 6 and report["largest_batched_tokens"] == 256
+    off = warm_up_shapes(tiny_qwen, max_tokens=200, max_rows=2, buckets=TABLE)  # the default
+    assert off["batched_shapes"] == 0 and off["largest_batched_tokens"] == 0
+
+
 def test_build_engine_warms_every_shape_when_buckets_are_on(monkeypatch, qwen_tokenizer):
     # Buckets are on for CUDA models; here the CPU model takes them (and the small table) so
     # build_engine's warm-up runs the whole plan, under the process-wide lock.

@@ -35,7 +35,7 @@ from typing import Any
 
 from semif_serve.errors import ScoringFailed, same_failure
 from semif_serve.runtime.jobs import STOPPED, Job
-from semif_serve.runtime.selection import BatchLimits, gather_ends, select
+from semif_serve.runtime.selection import BatchLimits, gather_ends, select, unbucketed
 from semif_serve.runtime.specs import ModelSpec
 from semif_serve.runtime.waiting import NEVER, Deadline, Gone, deadline_after, wait_until
 
@@ -194,17 +194,18 @@ class ModelScheduler:
             raise  # only its own job was taken, and its own request raises this
         batch = [job]
         try:
-            batch = self._gather(job)
+            batch = self._gather(job, getattr(engine, "batch_tokens", unbucketed))
             run(engine, batch)
         finally:  # whatever happened, no request waits for a job left unfinished
             for taken in batch:
                 taken.finish(ScoringFailed(STOPPED))
             self.release()
 
-    def _gather(self, leader: Job) -> list[Job]:
+    def _gather(self, leader: Job, tokens: Callable[[int, int], int]) -> list[Job]:
         """The leader's batch: itself, then the oldest batched requests queued behind it, within
         the limits. While the batch is not full and everyone queued could join it, it waits for
-        company until `selection.gather_ends` (its wait, or the earliest deadline it holds)."""
+        company until `selection.gather_ends` (its wait, or the earliest deadline it holds).
+        `tokens`: the engine's count of a forward's tokens (its shape buckets included)."""
         limits = self.batching
         with self._cond:
             self._gathering = True
@@ -212,7 +213,7 @@ class ModelScheduler:
                 while True:
                     behind = self._companions()
                     costs = [leader.cost, *(job.cost for job in behind)]
-                    count = select(costs, limits.max_rows, limits.max_tokens)
+                    count = select(costs, limits.max_rows, limits.max_tokens, tokens)
                     chosen = [leader, *behind[: count - 1]]
                     rows = sum(cost.rows for cost in costs[:count])
                     full = count < len(costs) or rows >= limits.max_rows

@@ -14,7 +14,7 @@ issue #723: a request over the budget made its batcher loop forever).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +52,21 @@ def padded_tokens(costs: Sequence[Cost]) -> int:
     return sum(cost.rows for cost in costs) * max(cost.length for cost in costs)
 
 
-def select(costs: Sequence[Cost], max_rows: int, max_tokens: int) -> int:
+def unbucketed(rows: int, length: int) -> int:
+    """A forward's tokens without shape buckets: every row padded to the longest prompt."""
+    return rows * length
+
+
+def select(
+    costs: Sequence[Cost],
+    max_rows: int,
+    max_tokens: int,
+    tokens: Callable[[int, int], int] = unbucketed,
+) -> int:
     """How many of the queued requests (oldest first) go into the next batch: at least one when
-    any is queued, then every next one while the batch stays within both limits."""
+    any is queued, then every next one while the batch stays within both limits. `tokens`:
+    what a forward of (rows, longest prompt) holds as the model runs it (with shape buckets on
+    CUDA, its bucketed rows x width: `Engine.batch_tokens`), so no forward passes the budget."""
     if not costs:
         return 0
     rows, longest = costs[0].rows, costs[0].length
@@ -62,7 +74,7 @@ def select(costs: Sequence[Cost], max_rows: int, max_tokens: int) -> int:
     for cost in costs[1:]:
         rows += cost.rows
         longest = max(longest, cost.length)
-        if rows > max_rows or rows * longest > max_tokens:
+        if rows > max_rows or tokens(rows, longest) > max_tokens:
             break
         taken += 1
     return taken

@@ -26,7 +26,7 @@ import torch
 from semif_serve.scoring import shared
 from semif_serve.scoring.direct import score as score_direct
 from semif_serve.scoring.head import letter_logits
-from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput
+from semif_serve.scoring.inputs import Batched, DirectInput, Forward, SharedInput
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
@@ -63,17 +63,28 @@ def score_batch(
         [index] = plain
         outcomes[index] = _alone(scoring_model, inputs[index], max_tokens, buckets, prefix_cache)
     elif plain:
-        results, width = _padded(scoring_model, [inputs[i] for i in plain], buckets)
+        items = [inputs[i] for i in plain]
+        results, shape = _padded(scoring_model, items, buckets)
+        ran = Forward(shape[0], shape[0] * shape[1], sum(len(item.prompt.ids) for item in items))
         for index, result in zip(plain, results):
-            outcomes[index] = Batched(result, len(plain), width)
+            outcomes[index] = Batched(result, len(plain), shape[1], ran)
     for prefix, indices in by_prefix.items():
         group = [inputs[i] for i in indices]
         cache = prefix_cache if _cached(group[0], prefix_cache) else None
-        results = _over_prefix(scoring_model, list(prefix), group, buckets, cache)
+        results, timing = _over_prefix(scoring_model, list(prefix), group, buckets, cache)
         width = max(len(item.prompt.ids) for item in group)
+        ran = _shared_forward(timing, [item.prompt for item in group])
         for index, result in zip(indices, results):
-            outcomes[index] = Batched(result, len(group), width)
+            outcomes[index] = Batched(result, len(group), width, ran)
     return outcomes
+
+
+def _shared_forward(timing: dict[str, Any], prompts: list[Any]) -> Forward:
+    """What a shared forward over one state ran: its prefill (none on a cache hit) and every
+    suffix forward, padding and buckets included, against the prompts' own tokens."""
+    prefill = 0 if timing["cache_hit"] else timing["prefix_tokens"]
+    suffixes = sum(len(prompt.ids) - timing["prefix_tokens"] for prompt in prompts)
+    return Forward(len(prompts), prefill + timing["padded_suffix_tokens"], prefill + suffixes)
 
 
 def _cached(item: DirectInput, prefix_cache: ModelPrefixCache | None) -> bool:
@@ -97,27 +108,26 @@ def _alone(scoring_model, item, max_tokens, buckets, prefix_cache) -> Batched:
             scoring_model, item, max_tokens=max_tokens, buckets=buckets, prefix_cache=prefix_cache
         )
     except RowError as error:  # a row refused on its own: only its request fails
-        outcome = error
-    return Batched(outcome, rows, width)
+        return Batched(error, rows, width)
+    if isinstance(item, SharedInput):
+        ran = _shared_forward(outcome[1], item.prompts)
+    else:  # one row: its prompt
+        ran = Forward(1, outcome["input_tokens"], outcome["input_tokens"])
+    return Batched(outcome, rows, width, ran)
 
 
 def _padded(
     scoring_model: ScoringModel, items: list[DirectInput], buckets: Buckets | None | str
-) -> tuple[list[dict[str, Any]], int]:
-    """Plain direct rows in one right-padded forward, each read at its own last real token;
-    (their results, the padded length)."""
+) -> tuple[list[dict[str, Any]], tuple[int, int]]:
+    """Plain direct rows in one right-padded forward (with buckets, of `Buckets.batch`'s shape:
+    `_padded_ids`), each read at its own last real token; (their results, the forward's shape:
+    rows and width, padding included)."""
     started = perf_counter()
     model = scoring_model.model
     device = model.device
-    lengths = [len(item.prompt.ids) for item in items]
-    width = max(lengths)
-    resolved = resolve(buckets, device)
-    if resolved is not None:
-        width = resolved.length(width)
-    input_ids = torch.full((len(items), width), PAD_TOKEN_ID, dtype=torch.long)
-    for row, item in enumerate(items):
-        input_ids[row, : lengths[row]] = torch.tensor(item.prompt.ids, dtype=torch.long)
-    last = torch.tensor(lengths) - 1
+    input_ids = _padded_ids([item.prompt.ids for item in items], resolve(buckets, device))
+    shape = tuple(input_ids.shape)
+    last = torch.tensor([len(item.prompt.ids) for item in items]) - 1
     with torch.inference_mode():
         # No attention mask: with right padding a causal model's real positions never see the
         # padding after them (as direct.last_logits pads a bucket), and the unmasked causal
@@ -131,7 +141,21 @@ def _padded(
         _direct_result(scoring_model, item, row_letters, forward_seconds, False)
         for item, row_letters in zip(items, letters)
     ]
-    return results, width
+    return results, shape
+
+
+def _padded_ids(prompts: list[list[int]], buckets: Buckets | None) -> torch.Tensor:
+    """The (rows, width) token ids of one batch forward over `prompts`, right-padded to the
+    longest; with buckets, `buckets.batch`'s shape: the width bucketed and rows of padding
+    tokens added after the real ones (separate rows: no real row sees them; their outputs are
+    never read)."""
+    rows, width = len(prompts), max(len(ids) for ids in prompts)
+    if buckets is not None:
+        rows, width = buckets.batch(rows, width)
+    input_ids = torch.full((rows, width), PAD_TOKEN_ID, dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return input_ids
 
 
 def _over_prefix(
@@ -140,9 +164,9 @@ def _over_prefix(
     items: list[DirectInput],
     buckets: Buckets | None | str,
     prefix_cache: ModelPrefixCache | None,
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Direct rows over one state prefix: one shared forward (prefill, or resume a stored one,
-    once)."""
+    once); (their results, its timing)."""
     started = perf_counter()
     model = scoring_model.model
     prompts = [item.prompt for item in items]
@@ -150,10 +174,11 @@ def _over_prefix(
         model, prefix_ids, prompts, resolve(buckets, model.device), prefix_cache
     )
     forward_seconds = perf_counter() - started
-    return [
+    results = [
         _direct_result(scoring_model, item, row_letters, forward_seconds, timing["cache_hit"])
         for item, row_letters in zip(items, logits)
     ]
+    return results, timing
 
 
 def _direct_result(

@@ -19,6 +19,11 @@ causal, the recurrent layers run left to right) and rows never see each other:
 - a suffix forward holds at most `rows_per_forward(length)` rows (so about `token_budget`
   tokens at most): bigger calls run in several forwards over copies of the prefilled cache.
   This bounds the (rows, length) grid that warm-up must cover, and each forward's memory.
+- a batch forward (plain direct rows of several requests, `scoring.batched`) is right-padded
+  to `length(longest prompt)` and its rows padded up to `rows(n)` with rows of padding tokens
+  (`batch`; separate rows, so real rows never see them; their outputs are discarded). Its
+  tokens after bucketing (`bucketed_tokens`) are the batch selector's cost, so a batch within
+  SEMIF_MAX_BATCH_TOKENS runs within it, and `batch_shapes` lists every shape warm-up runs.
 
 Tables (`Buckets()` defaults):
 - length (ceil): multiples of 64 up to 1,024; above, 16 steps per doubling (128 up to 2,048,
@@ -73,6 +78,27 @@ class Buckets:
         """How many rows of padded suffix length `length` one suffix forward may hold."""
         return max(1, _floor_pow2(max(1, self.token_budget // length)))
 
+    def batch(self, rows: int, length: int) -> tuple[int, int]:
+        """The (rows, width) one right-padded batch forward runs as, for `rows` rows whose
+        longest prompt is `length` tokens: `rows(rows)` rows of `length(length)` tokens."""
+        return self.rows(rows), self.length(length)
+
+    def batch_shapes(
+        self, *, max_rows: int, max_tokens: int, longest: int
+    ) -> list[tuple[int, int]]:
+        """Every (rows, width) a batch forward can run as when the batch selector takes at most
+        `max_rows` rows and `bucketed_tokens` <= `max_tokens`, of prompts up to `longest`
+        tokens: each row bucket of 2..max_rows rows with each length bucket of 1..longest
+        tokens, at most max_tokens in all; by rows, then width. A batch of one row runs as the
+        direct scorer does (its shapes are the direct ones), so max_rows 1 (batching off): none."""
+        row_buckets = [count for count in self.row_counts(max(1, max_rows)) if count > 1]
+        return [
+            (count, width)
+            for count in row_buckets
+            for width in self.lengths(longest)
+            if count * width <= max_tokens
+        ]
+
     def lengths(self, up_to: int) -> list[int]:
         """Every padded length a sequence of 1..up_to tokens can get, ascending."""
         table = [self.length(1)]
@@ -109,6 +135,19 @@ class Buckets:
 
 
 DEFAULT = Buckets()
+
+
+def bucketed_tokens(rows: int, length: int, buckets: Buckets | None) -> int:
+    """The tokens one right-padded batch forward of `rows` rows, whose longest prompt is
+    `length` tokens, holds as it runs: rows x length without buckets, `buckets.batch`'s rows x
+    width with them. The batch selector's cost: a batch it takes within a token budget runs
+    within it, and so does any part of the batch run as one forward (fewer rows, a shorter
+    longest prompt: the count never falls as rows or length grow). One row alone is the direct
+    scorer's shape, (1, `buckets.length(length)`)."""
+    if buckets is None:
+        return rows * length
+    padded_rows, width = buckets.batch(rows, length)
+    return padded_rows * width
 
 
 def resolve(buckets: Buckets | None | str, device: Any) -> Buckets | None:
