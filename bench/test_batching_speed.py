@@ -71,7 +71,7 @@ def forward_workloads(tokenizer) -> list[list[dict]]:
 def score_in_batches(model, items: list, size: int) -> list[list[float]]:
     """`items` in batches of `size` (a batch of one runs exactly the direct scorer's call): each
     one's probabilities."""
-    from semif_serve.scoring.batched import score_batch
+    from semif_serve.scoring.coalesced import score_batch
 
     probabilities = []
     for start in range(0, len(items), size):
@@ -139,7 +139,7 @@ def test_rows_over_one_state_share_one_prefill(bench_model):
     """8 rows over one state in one batch run as one shared forward (one prefill, then their
     suffixes), against the same rows as plain padded rows, each with its own prefill (as a
     batch ran them before); best of 3 interleaved rounds. No target: issue 23's item 3."""
-    from semif_serve.scoring.batched import score_batch
+    from semif_serve.scoring.coalesced import score_batch
     from semif_serve.scoring.inputs import direct_input
 
     figures = {}

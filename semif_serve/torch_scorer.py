@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from semif_serve.oom_policy import bytes_to_drop, shortfall
-from semif_serve.scoring.batched import score_batch
+from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput, direct_input, shared_input
 from semif_serve.scoring.length_bound import bytes_per_token
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
@@ -51,7 +51,7 @@ class TorchScorer:
     def prepare(self, row: Row) -> DirectInput:
         """Encode one row for `score`, every limit checked (needs no lock: the tokenizer only),
         with its state prefix located: a batch shares one prefill among requests over the same
-        state, cache or not (`scoring.batched`)."""
+        state, cache or not (`scoring.coalesced`)."""
         return direct_input(self.scoring_model.tokenizer, row, self.max_tokens, with_prefix=True)
 
     def prepare_shared(self, rows: list[Row]) -> SharedInput:
@@ -85,7 +85,7 @@ class TorchScorer:
     def score_batch(
         self, items: list[DirectInput | SharedInput], cached: bool = True
     ) -> list[Batched]:
-        """Several requests' inputs in as few forwards as exactness allows (`scoring.batched`)."""
+        """Several requests' inputs in as few forwards as exactness allows (`scoring.coalesced`)."""
         return score_batch(
             self.scoring_model, items, max_tokens=self.max_tokens, prefix_cache=self._cache(cached)
         )

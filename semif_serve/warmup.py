@@ -197,7 +197,7 @@ def _shared(model: Any, prefix: int, rows: int, length: int, buckets: Buckets) -
 
 
 def _batched(model: Any, rows: int, width: int) -> None:
-    """One batch forward of (rows, width), as `scoring.batched` runs plain direct rows: the
+    """One batch forward of (rows, width), as `scoring.coalesced` runs plain direct rows: the
     decoder, uncached, unmasked; (rows, width) is a batch shape already, so nothing is padded."""
     input_ids = torch.full((rows, width), PAD_TOKEN_ID, dtype=torch.long, device=model.device)
     with torch.inference_mode():

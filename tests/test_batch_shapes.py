@@ -18,7 +18,7 @@ from tiny_models import tiny_qwen35
 from semif_serve.runtime.selection import Cost, cost_of
 from semif_serve.runtime.selection import select as select_batch
 from semif_serve.scoring import ScoringModel, parse_row
-from semif_serve.scoring.batched import _padded_ids, score_batch
+from semif_serve.scoring.coalesced import _padded_ids, score_batch
 from semif_serve.scoring.inputs import direct_input
 from semif_serve.scoring.shapes import DEFAULT, Buckets, bucketed_tokens
 from semif_serve.warmup import plan, warm_up_shapes

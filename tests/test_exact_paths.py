@@ -36,7 +36,7 @@ from transformers import LlamaForCausalLM
 
 from semif_serve.loading import ModelLoadError, load_model
 from semif_serve.scoring import ModelInfo, ScoringModel, parse_row, score, score_shared
-from semif_serve.scoring.batched import score_batch
+from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.head import POST_PROCESSING, UnsupportedModel, letter_logits
 from semif_serve.scoring.inputs import direct_input, shared_input
 from semif_serve.scoring.packed import forward_packed

@@ -6,7 +6,7 @@ takes a slot or the engine lock, so an over-long prompt is refused without delay
 (issue 22), and the scorers take the result (`DirectInput`, `SharedInput`) instead of encoding
 again. An input records the `max_tokens` it was checked against: a scorer given one checked
 against another limit encodes its rows afresh. `Batched` is what a batched call
-(`scoring.batched`) gives back for each input.
+(`scoring.coalesced`) gives back for each input.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ causal, the recurrent layers run left to right) and rows never see each other:
 - a suffix forward holds at most `rows_per_forward(length)` rows (so about `token_budget`
   tokens at most): bigger calls run in several forwards over copies of the prefilled cache.
   This bounds the (rows, length) grid that warm-up must cover, and each forward's memory.
-- a batch forward (plain direct rows of several requests, `scoring.batched`) is right-padded
+- a batch forward (plain direct rows of several requests, `scoring.coalesced`) is right-padded
   to `length(longest prompt)` and its rows padded up to `rows(n)` with rows of padding tokens
   (`batch`; separate rows, so real rows never see them; their outputs are discarded). Its
   tokens after bucketing (`bucketed_tokens`) are the batch selector's cost, so a batch within

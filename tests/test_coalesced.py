@@ -13,7 +13,7 @@ from rows_factory import STATE, make_rows
 
 from semif_serve.decisions import expand
 from semif_serve.scoring import PromptRejected, parse_row, score, score_shared
-from semif_serve.scoring.batched import score_batch
+from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.inputs import Batched, SharedInput, direct_input, shared_input
 from semif_serve.scoring.prefix_cache import PrefixCache
 

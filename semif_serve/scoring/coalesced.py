@@ -1,6 +1,7 @@
-"""Several requests scored together, each getting exactly the result it gets alone (issue 23).
+"""Several requests coalesced into as few forwards as exactness allows, each getting exactly the
+result it gets alone (issue 23).
 
-The dynamic batcher (`runtime/batcher.py`) hands a model's queued requests here as one call:
+A model's scheduler (`runtime/scheduler.py`) hands the batch it chose here as one call:
 - direct rows that run as a plain prompt (no prefix cache, or a state prefix too short to
   cache) go in ONE right-padded forward: rows × their longest prompt, each row read at its own
   last real token. Right padding is exact for attention (causal) and for linear-attention
@@ -12,7 +13,7 @@ The dynamic batcher (`runtime/batcher.py`) hands a model's queued requests here 
 - a `/decide/shared` call (a `SharedInput`) runs as a unit, never split.
 Each input gets a `Batched`: its outcome (direct: a result dict; shared: (results, timing); or
 the `RowError` its own row raised: any other failure is the whole call's) and the rows and
-padded length of the forward it ran in.
+padded length of the forward it ran in, and that `Forward` itself as it ran (the metrics).
 Results are the scorers' own (nothing added): the server shows the batch figures next to them.
 """
 
