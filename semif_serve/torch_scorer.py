@@ -127,7 +127,7 @@ class TorchScorer:
         log.warning(
             "out of memory (%s): dropped %d of this model's %d stored prefix bytes, scoring "
             "again without the prefix cache",
-            message.strip().splitlines()[0] if message.strip() else "no message",
+            message.strip().splitlines()[0],  # the engine's message is never empty
             freed,
             stored,
         )

@@ -54,9 +54,11 @@ class Engines:
     """A factory of engines over one scorer; `fail` (an exception) fails the next load."""
 
     def __init__(self, scorer):
-        self.scorer, self.fail = scorer, None
+        self.scorer, self.fail, self.gate = scorer, None, None
 
     def __call__(self, model_spec):
+        if self.gate is not None:  # set: loads wait for it
+            assert self.gate.wait(WAIT_S), "test never opened the load gate"
         if self.fail is not None:
             error, self.fail = self.fail, None
             raise error
@@ -201,9 +203,8 @@ def test_a_caller_who_leaves_while_waiting_for_the_device_is_never_scored():
     assert scorers["a"].calls == []
 
 
-def test_a_batch_waits_for_the_device_and_drops_what_expired_meanwhile():
-    scorers = {"a": BatchScorer(), "b": FakeScorer(block=True)}
-    config = settings(**BATCHING)
+def shared_device_batching(scorers, **overrides):
+    config = settings(**{**BATCHING, **overrides})
     rt = Runtime(
         config,
         lambda model_spec: Engine(scorers[model_spec.id]),
@@ -212,17 +213,81 @@ def test_a_batch_waits_for_the_device_and_drops_what_expired_meanwhile():
         device=DeviceQueue(),
     )
     Background(lambda: rt.start(idle_interval_s=None)).result()
+    return rt
+
+
+def test_a_batch_waiting_for_the_device_drops_a_request_at_its_deadline_and_keeps_the_rest():
+    scorers = {"a": BatchScorer(), "b": FakeScorer(block=True)}
+    rt = shared_device_batching(scorers, batch_wait_ms=300)
     on_b = Background(lambda: scored(rt, "b"))
     assert scorers["b"].entered.wait(WAIT_S)
-    hurried = Request(rt, "hurried", timeout_s=0.2)
-    with pytest.raises(QueueTimedOut):
-        hurried.outcome()
-    patient = Request(rt, "patient")
-    wait_until(lambda: rt._device.waiting == 1)
+    patient = Request(rt, "patient")  # leads, and waits 0.3 s for company
+    leading(rt)
+    hurried = Request(rt, "hurried", timeout_s=1.0)  # joins it, then both wait for the device
+    with pytest.raises(QueueTimedOut, match=r"^waited 1 s before its batch ran$"):
+        hurried.outcome()  # while b still holds the device
+    assert rt._device.waiting == 1 and not patient.call.done.is_set()
     scorers["b"].release.set()
     on_b.result()
     assert patient.outcome()["id"] == "patient"
     assert scorers["a"].batches == [["patient"]]
+
+
+def test_a_request_whose_deadline_passed_as_its_batch_got_the_device_is_not_scored():
+    scorers = {"a": BatchScorer(), "b": FakeScorer(block=True)}
+    rt = shared_device_batching(scorers)
+    on_b = Background(lambda: scored(rt, "b"))
+    assert scorers["b"].entered.wait(WAIT_S)
+    late = Request(rt, "late", timeout_s=0.3)
+    wait_until(lambda: rt._device.waiting == 1)
+    wait_until(lambda: late.job.deadline.passed)
+    scorers["b"].release.set()  # the device is free before the batch's next look (every 0.25 s)
+    with pytest.raises(QueueTimedOut, match=r"^waited 0.3 s before its batch ran$"):
+        late.outcome()
+    on_b.result()
+    assert scorers["a"].batches == []
+
+
+def test_a_batched_request_that_never_waits_runs_however_short_its_timeout():
+    scorer = BatchScorer()
+    rt, _ = batching_runtime(scorer)
+    assert Request(rt, "quick", timeout_s=1e-9).outcome()["id"] == "quick"
+    assert scorer.batches == [["quick"]]
+
+
+def test_a_leader_waiting_for_a_load_leaves_when_its_caller_does():
+    scorer = BatchScorer()
+    rt, factory = batching_runtime(scorer)
+    engine = rt.entry("a").engine
+    Background(lambda: rt.unload("a")).result()
+    factory.gate, left = threading.Event(), threading.Event()
+    item = parse_row(row(id="leaving"))
+    job = Job(item=item, cost=Cost(1, 1), engine=engine, prepare=lambda e: item, gone=left.is_set)
+    leaving = Background(lambda: rt.score_batched("a", None, job))
+    wait_until(lambda: rt.entry("a").state == "loading")
+    left.set()
+    with pytest.raises(ClientGone):
+        leaving.result()
+    factory.gate.set()
+    wait_until(lambda: rt.entry("a").state == "ready")
+    assert scorer.batches == []
+
+
+def test_while_a_leader_chooses_its_batch_nobody_else_enters_even_with_a_free_slot():
+    scorer = BatchScorer()
+    factory = Engines(scorer)
+    rt = runtime(
+        spec("a", slots=2, load_on_startup=True),
+        factory=factory,
+        max_batch_rows=2,
+        max_batch_tokens=1000,
+        batch_wait_ms=60_000,  # longer than any bound here: only a full batch ends the wait
+    )
+    lone = Request(rt, "lone")
+    leading(rt)
+    company = Request(rt, "company")  # fills the batch: taken by the leader, not a second one
+    assert lone.outcome()["id"] == "lone" and company.outcome()["id"] == "company"
+    assert scorer.batches == [["lone", "company"]]
 
 
 def test_the_production_runtime_shares_a_device_queue_only_without_parallel_slots():

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from semif_serve.errors import ClientGone, QueueTimedOut, ScoringFailed
+from semif_serve.errors import ClientGone, QueueTimedOut
 from semif_serve.runtime.selection import Cost
-from semif_serve.runtime.waiting import NEVER, Deadline, QueueTimeout, WaiterGone
+from semif_serve.runtime.waiting import NEVER, Deadline, WaiterGone
 
 STOPPED = "the batch stopped before this request"
 LEFT = "the client closed its connection before its request was scored"
@@ -46,7 +46,7 @@ class Job:
             self.outcome = outcome
             self.done.set()
 
-    def dropped(self, expired: bool = False) -> bool:
+    def dropped(self, expired: bool) -> bool:
         """Finish this job unscored if its caller left, or (`expired`: asked after a wait) its
         deadline passed; True if so. A deadline bounds waits: a job that never waited for
         anything since it was taken runs, however short its timeout."""
@@ -60,26 +60,23 @@ class Job:
 def run_jobs(engine: Any, jobs: list[Job], device: Any = None) -> list[Job]:
     """Score `jobs` in one engine call (with the device's turn, when models share one) and hand
     each its outcome; returns the jobs the call scored. Any failure of the call is each of
-    their outcomes; a job is never left unfinished."""
+    their outcomes (the scheduler finishes whatever a stop left unfinished)."""
+    live = _encoded(engine, _live(jobs, expired=False))
+    if device is None:
+        _scored(engine, live)
+        return live
     try:
-        live = _encoded(engine, [job for job in jobs if not job.dropped()])
-        if device is None:
-            _scored(engine, live)
-            return live
-        try:
-            waited = device.take(_latest(live), gone=lambda: not _live(live, expired=True))
-        except (QueueTimeout, WaiterGone):
-            _live(live, expired=True)  # every job left has expired or lost its caller meanwhile
-            return []
-        try:
-            live = _live(live, expired=waited)
-            _scored(engine, live)
-            return live
-        finally:
-            device.give()
+        # While it waits, each job whose deadline passes or whose caller leaves is dropped
+        # (within GONE_POLL_S); the batch leaves the queue once none is left.
+        waited = device.take(gone=lambda: not _live(live, expired=True))
+    except WaiterGone:
+        return []
+    try:
+        live = _live(live, expired=waited)  # one that expired since the last look
+        _scored(engine, live)
+        return live
     finally:
-        for job in jobs:
-            job.finish(ScoringFailed(STOPPED))
+        device.give()
 
 
 def forwards(jobs: list[Job]) -> list[Any]:
@@ -107,24 +104,15 @@ def _encoded(engine: Any, jobs: list[Job]) -> list[Job]:
     return ready
 
 
-def _live(jobs: list[Job], expired: bool = False) -> list[Job]:
+def _live(jobs: list[Job], expired: bool) -> list[Job]:
     return [job for job in jobs if not job.dropped(expired)]
-
-
-def _latest(jobs: list[Job]) -> Deadline:
-    """The last of the jobs' deadlines (NEVER when one has none): the batch waits until then."""
-    if not jobs or any(job.deadline.at is None for job in jobs):
-        return NEVER
-    return max(jobs, key=lambda job: job.deadline.at).deadline
 
 
 def _scored(engine: Any, jobs: list[Job]) -> None:
     if not jobs:
         return
     try:
-        outcomes = engine.score_batch([job.item for job in jobs])
-        if len(outcomes) != len(jobs):
-            raise ScoringFailed(f"the scorer returned {len(outcomes)} outcomes for {len(jobs)}")
+        outcomes = engine.score_batch([job.item for job in jobs])  # one per job: Engine checks
     except Exception as error:  # noqa: BLE001 - every job's, raised in its own request
         for job in jobs:
             job.finish(error)

@@ -189,12 +189,11 @@ class ModelScheduler:
         """Holding a slot, with its own job taken: get the engine, choose the batch, run it."""
         try:
             engine = self._ready_engine(load, job.deadline, job.gone)
+            batch = self._gather(job, getattr(engine, "batch_tokens", unbucketed))
         except BaseException:
             self.release()
             raise  # only its own job was taken, and its own request raises this
-        batch = [job]
         try:
-            batch = self._gather(job, getattr(engine, "batch_tokens", unbucketed))
             run(engine, batch)
         finally:  # whatever happened, no request waits for a job left unfinished
             for taken in batch:
