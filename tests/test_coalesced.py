@@ -95,6 +95,16 @@ def test_each_outcome_names_the_forward_it_ran_in_as_it_ran(tiny_qwen):
     assert grouped[0].forward.real_tokens == prefix + suffixes
     assert grouped[0].forward.tokens >= grouped[0].forward.real_tokens
 
+    unit = shared_input(
+        tokenizer, [parse_row(row) for row in make_rows(2, 3, state=state(98))], MAX_TOKENS
+    )
+    [alone] = score_batch(tiny_qwen, [unit], max_tokens=MAX_TOKENS, buckets=None)
+    prefix = len(unit.prefix_ids)
+    assert (alone.forward.rows, alone.forward.real_tokens) == (
+        2,
+        prefix + sum(len(prompt.ids) - prefix for prompt in unit.prompts),
+    )
+
 
 @given(data=st.data())
 @settings(max_examples=8, deadline=None)
