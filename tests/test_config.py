@@ -75,7 +75,10 @@ def test_an_admin_token_equal_to_the_api_token_is_refused_naming_both():
     with pytest.raises(ConfigError) as caught:
         settings(SEMIF_ADMIN_TOKEN=TOKEN)
     message = str(caught.value)
-    assert message.startswith("SEMIF_ADMIN_TOKEN: must differ from SEMIF_API_TOKEN")
+    assert message == (
+        "SEMIF_ADMIN_TOKEN: must differ from SEMIF_API_TOKEN (with the same value every caller "
+        "holding the API token could register, reconfigure and unload models)"
+    )
     assert TOKEN not in message  # a token is never echoed
     assert settings(SEMIF_ADMIN_TOKEN=TOKEN + "x").admin_token == TOKEN + "x"  # a longer one is not
     assert settings(SEMIF_ADMIN_TOKEN=TOKEN[:-1] + "K").admin_token == TOKEN[:-1] + "K"

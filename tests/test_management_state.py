@@ -27,6 +27,7 @@ from semif_serve.config import ConfigError
 from semif_serve.management_state import (
     STATE_FILE,
     ManagementState,
+    ReplayReport,
     StateError,
     configuration_key,
     own_folder,
@@ -94,27 +95,57 @@ def state_text(models, format=1, configuration=KEY, **more) -> str:
 ENTRY = {"id": "a", "table": None, "loaded": False}
 
 
+NOT_A_STATE = "not a management state (keys format, configuration, models)"
+ANOTHER = (
+    "recorded over another startup configuration (SEMIF_MODEL, SEMIF_MODELS_FILE or a setting "
+    "they depend on changed)"
+)
+ENTRY_SHAPE = "must be {id, table (object or null), loaded}"
+
+
 @pytest.mark.parametrize(
     ("text", "why"),
     [
-        ("{", "not JSON"),
-        ("[]", "not a management state"),
-        (state_text([], more=1), "not a management state"),
+        (
+            "{",
+            "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        ),
+        ("[]", NOT_A_STATE),
+        (state_text([], more=1), NOT_A_STATE),
         (state_text([], format=2), "format 2, not 1"),
-        (state_text([], configuration="other"), "another startup configuration"),
+        (state_text([], configuration="other"), ANOTHER),
         (state_text({}), "models: must be a list"),
-        (state_text([1]), "models[0]: must be"),
-        (state_text([{**ENTRY, "table": []}]), "models[0]: must be"),
-        (state_text([{**ENTRY, "loaded": 1}]), "models[0]: must be"),
-        (state_text([{**ENTRY, "id": 5}]), "models[0]: must be"),
-        (state_text([{**ENTRY, "more": 1}]), "models[0]: must be"),
-        (state_text([{**ENTRY, "table": {"k": 12345}}]).replace("12345", "NaN"), "not JSON"),
+        (state_text([1]), f"models[0]: {ENTRY_SHAPE}"),
+        (state_text([{**ENTRY, "table": []}]), f"models[0]: {ENTRY_SHAPE}"),
+        (state_text([{**ENTRY, "loaded": 1}]), f"models[0]: {ENTRY_SHAPE}"),
+        (state_text([{**ENTRY, "id": 5}]), f"models[0]: {ENTRY_SHAPE}"),
+        (state_text([{**ENTRY, "more": 1}]), f"models[0]: {ENTRY_SHAPE}"),
         (state_text([ENTRY, ENTRY]), "models[1]: 'a' appears twice"),
     ],
 )
 def test_a_state_that_is_not_one_is_refused_saying_why(text, why):
-    with pytest.raises(StateError, match=re.escape(why)):
+    with pytest.raises(StateError) as refused:
         parse_state(text, KEY)
+    assert str(refused.value) == why
+
+
+def test_a_constant_that_is_not_json_is_refused():
+    text = state_text([{**ENTRY, "table": {"k": 12345}}]).replace("12345", "NaN")
+    with pytest.raises(StateError, match=r"^not JSON: "):
+        parse_state(text, KEY)
+
+
+@pytest.mark.parametrize(
+    ("report", "line"),
+    [
+        (ReplayReport(registered=["a"]), "registered a"),
+        (ReplayReport(unloaded=["b"]), "unloaded b"),
+        (ReplayReport(failed=["c (why)"]), "failed c (why)"),
+        (ReplayReport(registered=["a"], failed=["c (why)"]), "registered a; failed c (why)"),
+    ],
+)
+def test_a_replay_summary_names_only_what_happened(report, line):
+    assert report.summary() == line
 
 
 def test_the_configuration_key_changes_with_the_models_and_the_default():
