@@ -5,9 +5,10 @@
     of a few words each; the issue asks ~100): decisions/s, target >= 1.3x;
 (b) the same with ~600-token states: no loss, target >= 0.95x;
 (c) one caller alone: latency unchanged, target <= 1.05x.
-p50/p99 per request are reported. Each scenario also checks that the batching server did batch
-(some reply's `batch.rows` > 1) and that every probability it answered equals the other server's
-(within 1e-5): a speed-up that came from not batching, or from different numbers, fails.
+p50/p99 per request are reported. Each scenario also checks that the batching server batched
+whenever two of its prompts fit the budget (some reply's `batch.rows` > 1), that no batch passed
+the budget, and that every probability it answered equals the other server's (within 1e-5): a
+speed-up that came from not batching, or from different numbers, fails.
 Beside them, in process (no HTTP): the batched forward's cost per row against one row at a time,
 by rows and prompt length, which is what the budget (SEMIF_MAX_BATCH_TOKENS) is chosen by; and
 rows over one state in one batch sharing one prefill against the same rows padded; both check
@@ -231,11 +232,17 @@ def kept(server, replies: dict, row) -> dict:
 
 
 def assert_batched_and_exact(replies: dict, scenario: str) -> None:
-    """The batching server batched (some reply ran with others) and answered what the other
-    server answered, request by request."""
+    """The batching server kept its budget (no forward past ON's padded tokens), batched
+    whenever two prompts fit in it (~600-token ones do not at the CPU's 1,024: they run one per
+    forward by design), and answered what the other server answered, request by request."""
     on, off = replies["on"][scenario], replies["off"][scenario]
     assert sorted(on) == sorted(off)
-    assert max(reply["batch"]["rows"] for reply in on.values()) > 1, f"{scenario}: never batched"
+    budget = int(ON["SEMIF_MAX_BATCH_TOKENS"])
+    batches = [reply["batch"] for reply in on.values()]
+    assert all(batch["rows"] * batch["padded_length"] <= budget for batch in batches), scenario
+    shortest = min(reply["input_tokens"] for reply in on.values())
+    if 2 * shortest <= budget:
+        assert max(batch["rows"] for batch in batches) > 1, f"{scenario}: never batched"
     ids = sorted(on)
     assert_same(
         [on[i]["probabilities"] for i in ids], [off[i]["probabilities"] for i in ids], scenario
