@@ -458,6 +458,13 @@ def test_only_a_single_request_that_does_not_fit_drops_its_models_prefixes():
     assert scorer.relieved == ["CUDA out of memory. Tried to allocate 2.00 GiB"]
 
 
+def test_the_first_half_of_a_split_batch_may_relieve_its_single_request_too():
+    scorer = TightScorer(fits=1, too_big={"a"})
+    outcomes = Engine(scorer, torch_module=torch).score_batch(rows("a", "b"))
+    assert [outcome.outcome["id"] for outcome in outcomes] == ["a", "b"]
+    assert scorer.calls_made[-2:] == [(["a"], False), (["b"], True)]
+
+
 def test_a_request_that_fits_nowhere_is_its_own_503_and_the_rest_are_scored():
     scorer = TightScorer(fits=0 + 1, too_big={"b"})
     scorer.relieve = lambda message: False  # its model's prefixes cannot cover it
@@ -483,3 +490,38 @@ def test_a_load_whose_thread_cannot_start_leaves_the_model_unloaded(monkeypatch)
     monkeypatch.setattr(threading.Thread, "start", real_start)
     assert Held(rt, "a").finish().error is None  # the next request loads it
     assert Background(lambda: rt.unload("a")).result() == {"id": "a", "loaded": False}
+
+
+class Encoding(FakeScorer):
+    """Its encoding names it: scoring another engine's encoding is a bug this catches."""
+
+    def prepare(self, row):
+        return (id(self), row)
+
+    def score(self, item):
+        encoder, row = item
+        assert encoder == id(self), "scored an input another engine encoded"
+        return super().score(row)
+
+
+def test_a_leased_request_queued_behind_a_reconfigure_is_encoded_again_by_the_new_model():
+    rt = runtime(
+        spec("a", load_on_startup=True), factory=lambda model_spec: Engine(Encoding(block=True))
+    )
+    config = settings(parallel_slots=4)
+    service = DecisionService(rt, config)
+    first = rt.entry("a").engine._scorer
+    holding = Background(lambda: service.decide(row(id="holding", model="a")))
+    assert first.entered.wait(WAIT_S)
+    reconfigure = Background(lambda: rt.register("a", {"source": "test:a2", "device": "cpu"}))
+    wait_until(lambda: any(not waiter.is_request for waiter in rt.entry("a")._queue))
+    behind = Background(lambda: service.decide(row(id="behind", model="a")))  # encoded by `first`
+    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    first.release.set()
+    holding.result()
+    reconfigure.result()
+    second = rt.entry("a").engine._scorer
+    assert second is not first
+    second.release.set()
+    assert behind.result().body["id"] == "behind"
+    assert [call[0] for call in second.calls] == ["score"]

@@ -719,7 +719,7 @@ def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
     that arrives after it wakes the leader, which stops waiting and leaves it for later (a
     third request fills that later batch, so nobody waits out the long wait)."""
     scorer = BatchScorer()
-    rt = batching_runtime(scorer, max_batch_rows=2, batch_wait_ms=WAIT_S * 1000)
+    rt = batching_runtime(scorer, max_batch_rows=2, batch_wait_ms=60_000)  # past any bound here
     lone = Submitted(rt, "lone")
     wait_until(lambda: rt.entry("a")._active == 1)  # it leads, waiting for company
     manager = threading.Thread(
@@ -793,3 +793,16 @@ def test_a_batch_waits_for_company_until_its_wait_or_the_earliest_deadline_it_ho
 ):
     held = [NEVER if d is None else Deadline(*d) for d in deadlines]
     assert gather_ends(1000.0, wait_s, held) == pytest.approx(ends)
+
+
+def test_a_batch_that_is_not_full_keeps_waiting_while_only_batched_requests_queue():
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer, max_batch_rows=3, batch_wait_ms=60_000)  # past any bound here
+    lone = Submitted(rt, "lone")
+    wait_until(lambda: rt.entry("a")._active == 1)
+    first = Submitted(rt, "first")
+    jobs_queued(rt, 1)
+    assert not lone.done.wait(0.2)  # bounded: two of three rows, still waiting for company
+    second = Submitted(rt, "second")  # the third row: full, it runs
+    assert [r.result().outcome["id"] for r in (lone, first, second)] == ["lone", "first", "second"]
+    assert scorer.batches == [["lone", "first", "second"]]

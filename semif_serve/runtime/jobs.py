@@ -109,13 +109,11 @@ def _live(jobs: list[Job], expired: bool) -> list[Job]:
 
 
 def _scored(engine: Any, jobs: list[Job]) -> None:
+    """Each job's outcome from one engine call (`Engine.score_batch` hands every job its own:
+    a result, or the failure of the part it ran in; whatever else stops it, the scheduler
+    finishes the jobs left)."""
     if not jobs:
         return
-    try:
-        outcomes = engine.score_batch([job.item for job in jobs])  # one per job: Engine checks
-    except Exception as error:  # noqa: BLE001 - every job's, raised in its own request
-        for job in jobs:
-            job.finish(error)
-        return
+    outcomes = engine.score_batch([job.item for job in jobs])
     for job, outcome in zip(jobs, outcomes):
         job.finish(outcome)

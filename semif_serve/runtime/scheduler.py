@@ -35,7 +35,7 @@ from typing import Any
 
 from semif_serve.errors import ScoringFailed, same_failure
 from semif_serve.runtime.jobs import STOPPED, Job
-from semif_serve.runtime.selection import BatchLimits, gather_ends, select, unbucketed
+from semif_serve.runtime.selection import BatchLimits, gather_ends, select
 from semif_serve.runtime.specs import ModelSpec
 from semif_serve.runtime.waiting import NEVER, Deadline, Gone, deadline_after, wait_until
 
@@ -189,7 +189,7 @@ class ModelScheduler:
         """Holding a slot, with its own job taken: get the engine, choose the batch, run it."""
         try:
             engine = self._ready_engine(load, job.deadline, job.gone)
-            batch = self._gather(job, getattr(engine, "batch_tokens", unbucketed))
+            batch = self._gather(job, engine.batch_tokens)
         except BaseException:
             self.release()
             raise  # only its own job was taken, and its own request raises this
