@@ -152,9 +152,9 @@ def test_a_request_taken_after_its_deadline_is_dropped_unscored():
 # -- 2. the device, when models share it ------------------------------------------------------------
 
 
-def shared_device_runtime(scorers):
+def shared_device_runtime(scorers, **overrides):
     """Models a and b, each over its own scorer, sharing one device (no SEMIF_PARALLEL_SLOTS)."""
-    config = settings()
+    config = settings(**overrides)
     rt = Runtime(
         config,
         lambda model_spec: Engine(scorers[model_spec.id]),
@@ -204,16 +204,7 @@ def test_a_caller_who_leaves_while_waiting_for_the_device_is_never_scored():
 
 
 def shared_device_batching(scorers, **overrides):
-    config = settings(**{**BATCHING, **overrides})
-    rt = Runtime(
-        config,
-        lambda model_spec: Engine(scorers[model_spec.id]),
-        [spec("a", load_on_startup=True), spec("b", load_on_startup=True)],
-        "a",
-        device=DeviceQueue(),
-    )
-    Background(lambda: rt.start(idle_interval_s=None)).result()
-    return rt
+    return shared_device_runtime(scorers, **{**BATCHING, **overrides})
 
 
 def test_a_batch_waiting_for_the_device_drops_a_request_at_its_deadline_and_keeps_the_rest():
