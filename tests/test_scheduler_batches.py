@@ -715,24 +715,31 @@ def test_each_model_batches_its_own_requests_and_a_request_keeps_its_timeout():
 
 
 def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
-    """SEMIF_BATCH_WAIT_MS > 0: the leader waits for company; a reconfigure queues; a request
-    that arrives after it wakes the leader, which stops waiting and leaves it for later (a
-    third request fills that later batch, so nobody waits out the long wait)."""
+    """SEMIF_BATCH_WAIT_MS > 0: the leader waits for company; a reconfigure that queues ends
+    that wait at once (the leader runs alone), and a request sent after the manager is not
+    passed ahead of it: it waits for the manager, then leads a later batch (a third request
+    fills that batch, so nobody waits out the long wait)."""
     scorer = BatchScorer()
+    scorer.release.clear()  # the lone batch stays in the engine: the queued manager is seen
     rt = batching_runtime(scorer, max_batch_rows=2, batch_wait_ms=60_000)  # past any bound here
     lone = Submitted(rt, "lone")
-    wait_until(lambda: rt.entry("a")._active == 1)  # it leads, waiting for company
+    wait_until(lambda: rt.entry("a")._gathering)  # it leads, waiting for company
+    assert not scorer.entered.is_set()
     manager = threading.Thread(
         target=rt.register, args=("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60})
     )
     manager.start()
+    assert scorer.entered.wait(WAIT_S)  # the manager ended the leader's wait, not its 60 s
     wait_until(lambda: any(not waiter.is_request for waiter in rt.entry("a")._queue))
     after = Submitted(rt, "after")
+    jobs_queued(rt, 1)  # behind the manager
+    scorer.release.set()
     assert lone.result().outcome["id"] == "lone"
+    manager.join(WAIT_S)
+    assert not manager.is_alive()
     company = Submitted(rt, "company")
     assert after.result().outcome["id"] == "after"
     assert company.result().outcome["id"] == "company"
-    manager.join(WAIT_S)
     assert scorer.batches == [["lone"], ["after", "company"]]
 
 
