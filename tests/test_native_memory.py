@@ -25,6 +25,8 @@ from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring.cache import MAPPING_ALIGNMENT, cache_bytes, move_to_own_mapping
 from semif_serve.scoring.prefix_cache import PrefixCache
 
+from prefix_fixtures import resume_once
+
 MODEL = ("source", "test")
 
 
@@ -168,12 +170,12 @@ def test_without_a_mapping_the_tensors_stay(monkeypatch):
 
 def test_a_stored_prefix_lives_in_its_own_mapping_and_goes_when_evicted(mappings):
     cache = PrefixCache(cache_bytes(attention_prefix()), min_tokens=1)
-    with cache.resume(MODEL, [1], attention_prefix) as (resumed, hit, stored):
+    with resume_once(cache, MODEL, [1], attention_prefix) as (resumed, hit, stored):
         assert not hit and stored and len(mappings) == 1
         [(_, entry)] = cache._entries.items()
         assert resumed.layers[0].keys is entry.cache.layers[0].keys  # the working copy shares it
     del resumed, entry
-    with cache.resume(MODEL, [2], attention_prefix) as (_, hit, stored):  # evicts [1]
+    with resume_once(cache, MODEL, [2], attention_prefix) as (_, hit, stored):  # evicts [1]
         assert not hit and stored
     gc.collect()
     assert [mapping() is None for mapping in mappings] == [True, False]
@@ -183,10 +185,10 @@ def test_a_prefill_larger_than_the_budget_is_not_copied(monkeypatch):
     moved = []
     monkeypatch.setattr(prefix_cache_module, "move_to_own_mapping", moved.append)
     entry = cache_bytes(attention_prefix())
-    with PrefixCache(entry - 1, min_tokens=1).resume(MODEL, [1], attention_prefix):
+    with resume_once(PrefixCache(entry - 1, min_tokens=1), MODEL, [1], attention_prefix):
         pass
     assert moved == []
-    with PrefixCache(entry, min_tokens=1).resume(MODEL, [1], attention_prefix):
+    with resume_once(PrefixCache(entry, min_tokens=1), MODEL, [1], attention_prefix):
         pass
     assert len(moved) == 1
 

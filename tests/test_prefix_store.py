@@ -17,6 +17,8 @@ from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring.cache import cache_bytes
 from semif_serve.scoring.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 
+from prefix_fixtures import resume_once
+
 MODEL = ("source", "test")
 OTHER_MODEL = ("source", "other")
 ENTRY = 128  # the bytes of a 4-token `stored_prefix`
@@ -32,7 +34,7 @@ def stored_prefix(tokens: int) -> DynamicCache:
 
 def use(cache: PrefixCache, ids: list[int], tokens: int = 4, model=MODEL) -> bool:
     """Resume after `ids` once (prefilling `tokens` tokens on a miss); whether it hit."""
-    with cache.resume(model, ids, lambda: stored_prefix(tokens)) as (_, hit, _):
+    with resume_once(cache, model, ids, lambda: stored_prefix(tokens)) as (_, hit, _):
         return hit
 
 
@@ -41,15 +43,25 @@ def stored(cache: PrefixCache) -> list[tuple]:
     return [ids for _, ids in cache._entries]
 
 
-def counts(hits: int = 0, misses: int = 0, evictions: int = 0, entries: int = 0) -> dict:
-    """A model's expected stats when its entries are `entries` 4-token prefixes."""
+def counts(
+    hits: int = 0, misses: int = 0, evictions: int = 0, entries: int = 0, partial_hits: int = 0
+) -> dict:
+    """A model's expected stats when its entries are `entries` 4-token prefixes (no
+    checkpoints), less the token counts (`figures`)."""
     return {
         "hits": hits,
+        "partial_hits": partial_hits,
         "misses": misses,
         "evictions": evictions,
         "bytes": entries * ENTRY,
         "entries": entries,
+        "checkpoints": 0,
     }
+
+
+def figures(stats: dict) -> dict:
+    """A model's stats without the token counts (tests/test_prefix_reuse.py checks those)."""
+    return {name: value for name, value in stats.items() if not name.endswith("_tokens")}
 
 
 def hybrid_prefix() -> DynamicCache:
@@ -75,7 +87,7 @@ def test_bytes_are_the_tensors_real_bytes():
     assert cache_bytes(DynamicCache()) == 0
     assert cache_bytes(hybrid_prefix()) == 256 + 64 + 96 + 128 + 64
     cache = PrefixCache(1 << 20, min_tokens=1)
-    with cache.resume(MODEL, [1], hybrid_prefix):
+    with resume_once(cache, MODEL, [1], hybrid_prefix):
         pass
     assert cache.stats(MODEL)["bytes"] == 608 == cache.total_bytes
 
@@ -84,15 +96,17 @@ def test_bytes_are_the_tensors_real_bytes():
 
 
 def test_only_the_same_model_and_the_exact_ids_hit():
+    """Ids that start alike are the longest-prefix lookup's (test_prefix_reuse.py); here no two
+    share a first token, so each is a hit of its own exact ids or a miss."""
     cache = PrefixCache(1 << 20, min_tokens=1)
     assert not use(cache, [1, 2, 3])
-    misses = [[1, 2], [1, 2, 3, 4], [3, 2, 1], [2, 3]]
+    misses = [[2, 1], [3, 2, 1], [4], [5, 1, 2, 3]]
     assert [use(cache, ids) for ids in misses] == [False] * 4
     assert not use(cache, [1, 2, 3], model=OTHER_MODEL)
     assert use(cache, [1, 2, 3]) and use(cache, (1, 2, 3))  # the ids, not the list, are the key
     assert use(cache, [1, 2, 3], model=OTHER_MODEL)
-    assert cache.stats(MODEL) == counts(hits=2, misses=5, entries=5)
-    assert cache.stats(OTHER_MODEL) == counts(hits=1, misses=1, entries=1)
+    assert figures(cache.stats(MODEL)) == counts(hits=2, misses=5, entries=5)
+    assert figures(cache.stats(OTHER_MODEL)) == counts(hits=1, misses=1, entries=1)
 
 
 def test_models_never_share_an_entry_and_drop_only_their_own():
@@ -110,13 +124,13 @@ def test_each_model_view_uses_its_own_identity():
     view, other = cache.for_model(MODEL), cache.for_model(OTHER_MODEL)
     assert (view.store, view.model, other.model) == (cache, MODEL, OTHER_MODEL)
     assert [view.caches(1), view.caches(2)] == [False, True]
-    with view.resume([1, 2], lambda: stored_prefix(4)) as (_, hit, _):
+    with resume_once(view, None, [1, 2], lambda: stored_prefix(4)) as (_, hit, _):
         assert not hit
     assert use(cache, [1, 2]) and not use(cache, [1, 2], model=OTHER_MODEL)
-    with other.resume([1, 2], lambda: stored_prefix(4)) as (_, hit, _):
+    with resume_once(other, None, [1, 2], lambda: stored_prefix(4)) as (_, hit, _):
         assert hit
-    assert view.stats() == cache.stats(MODEL) == counts(hits=1, misses=1, entries=1)
-    assert other.stats() == counts(hits=1, misses=1, entries=1)
+    assert figures(view.stats()) == figures(cache.stats(MODEL)) == counts(hits=1, misses=1, entries=1)
+    assert figures(other.stats()) == counts(hits=1, misses=1, entries=1)
     assert other.drop() == ENTRY
     assert (view.stats()["entries"], other.stats()["entries"]) == (1, 0)
 
@@ -136,15 +150,15 @@ def test_caches_needs_a_budget_and_at_least_min_tokens():
 def test_a_prefix_shorter_than_min_tokens_is_neither_looked_up_nor_stored():
     cache = PrefixCache(1 << 20, min_tokens=3)
     assert [use(cache, [1, 2]), use(cache, [1, 2])] == [False, False]
-    assert cache.stats(MODEL) == counts() and cache.total_bytes == 0
+    assert figures(cache.stats(MODEL)) == counts() and cache.total_bytes == 0
     assert [use(cache, [1, 2, 3]), use(cache, [1, 2, 3])] == [False, True]
-    assert cache.stats(MODEL) == counts(hits=1, misses=1, entries=1)
+    assert figures(cache.stats(MODEL)) == counts(hits=1, misses=1, entries=1)
 
 
 def test_a_zero_budget_stores_and_counts_nothing():
     cache = PrefixCache(0, min_tokens=1)
     assert [use(cache, [1]), use(cache, [1])] == [False, False]
-    assert cache.stats(MODEL) == counts() and cache.total_bytes == 0
+    assert figures(cache.stats(MODEL)) == counts() and cache.total_bytes == 0
 
 
 def test_a_prefill_that_cannot_be_shared_is_used_once_and_not_stored():
@@ -162,15 +176,15 @@ def test_a_prefill_that_cannot_be_shared_is_used_once_and_not_stored():
         return prefills[-1]
 
     for _ in range(2):
-        with cache.resume(MODEL, [1], prefill) as (resumed, hit, _):
+        with resume_once(cache, MODEL, [1], prefill) as (resumed, hit, _):
             assert resumed is prefills[-1] and not hit  # the call consumes its own prefill
-    assert cache.stats(MODEL) == counts(misses=2) and cache.total_bytes == 0
+    assert figures(cache.stats(MODEL)) == counts(misses=2) and cache.total_bytes == 0
 
 
 def test_a_stored_miss_resumes_from_a_copy_and_the_entry_stays():
     cache = PrefixCache(1 << 20, min_tokens=1)
     prefilled = stored_prefix(4)
-    with cache.resume(MODEL, [1], lambda: prefilled) as (resumed, hit, _):
+    with resume_once(cache, MODEL, [1], lambda: prefilled) as (resumed, hit, _):
         assert not hit and resumed is not prefilled
     ((key, entry),) = cache._entries.items()
     assert key == (MODEL, (1,)) and entry.cache is prefilled
@@ -182,7 +196,7 @@ def test_resume_says_whether_this_call_stored_the_prefix():
     cache_write_tokens); a hit, a short prefix, no budget or a prefix too big to keep never do."""
 
     def flags(cache, ids, tokens=4):
-        with cache.resume(MODEL, ids, lambda: stored_prefix(tokens)) as (_, hit, wrote):
+        with resume_once(cache, MODEL, ids, lambda: stored_prefix(tokens)) as (_, hit, wrote):
             return hit, wrote
 
     cache = PrefixCache(ENTRY, min_tokens=2)
@@ -204,7 +218,7 @@ def test_an_entry_exactly_filling_the_budget_is_stored_and_one_byte_over_is_not(
     assert exact.total_bytes == ENTRY
     over = PrefixCache(ENTRY - 1, min_tokens=1)
     assert [use(over, [1]), use(over, [1])] == [False, False]
-    assert over.stats(MODEL) == counts(misses=2) and over.total_bytes == 0
+    assert figures(over.stats(MODEL)) == counts(misses=2) and over.total_bytes == 0
 
 
 def test_an_entry_filling_the_budget_after_evictions_is_stored():
@@ -213,7 +227,7 @@ def test_an_entry_filling_the_budget_after_evictions_is_stored():
         use(cache, ids)
     assert not use(cache, [9], tokens=12)  # 384 bytes: every entry goes
     assert stored(cache) == [(9,)] and cache.total_bytes == 3 * ENTRY
-    assert cache.stats(MODEL) == counts(misses=4, evictions=3) | {"bytes": 384, "entries": 1}
+    assert figures(cache.stats(MODEL)) == counts(misses=4, evictions=3) | {"bytes": 384, "entries": 1}
 
 
 def test_an_entry_larger_than_the_room_is_not_stored_and_evicts_nothing():
@@ -223,7 +237,7 @@ def test_an_entry_larger_than_the_room_is_not_stored_and_evicts_nothing():
     assert not use(cache, [9], tokens=12)  # 384 bytes > 256
     assert not use(cache, [9], tokens=12)
     assert stored(cache) == [(1,), (2,)]
-    assert cache.stats(MODEL) == counts(misses=4, entries=2)
+    assert figures(cache.stats(MODEL)) == counts(misses=4, entries=2)
 
 
 def test_one_byte_over_the_room_evicts_nothing():
@@ -248,7 +262,7 @@ def test_least_recently_used_entries_are_evicted_first():
     assert stored(cache) == [(1,), (3,), (4,)]
     assert not use(cache, [2])
     assert stored(cache) == [(3,), (4,), (2,)]
-    assert cache.stats(MODEL) == counts(hits=4, misses=5, evictions=2, entries=3)
+    assert figures(cache.stats(MODEL)) == counts(hits=4, misses=5, evictions=2, entries=3)
 
 
 def test_only_as_many_entries_as_needed_are_evicted():
@@ -258,7 +272,7 @@ def test_only_as_many_entries_as_needed_are_evicted():
     use(cache, [1])
     assert not use(cache, [5], tokens=8)  # 256 bytes: the two least recently used go
     assert stored(cache) == [(4,), (1,), (5,)]
-    assert cache.stats(MODEL) == counts(hits=1, misses=5, evictions=2) | {
+    assert figures(cache.stats(MODEL)) == counts(hits=1, misses=5, evictions=2) | {
         "bytes": 4 * ENTRY,
         "entries": 3,
     }
@@ -271,8 +285,8 @@ def test_evictions_are_charged_to_the_evicted_entrys_model():
     use(cache, [1], model=OTHER_MODEL)  # evicts MODEL's [1]
     use(cache, [3], model=OTHER_MODEL)  # evicts MODEL's [2]
     use(cache, [4], model=OTHER_MODEL)  # evicts OTHER_MODEL's [1]
-    assert cache.stats(MODEL) == counts(misses=2, evictions=2)
-    assert cache.stats(OTHER_MODEL) == counts(misses=3, evictions=1, entries=2)
+    assert figures(cache.stats(MODEL)) == counts(misses=2, evictions=2)
+    assert figures(cache.stats(OTHER_MODEL)) == counts(misses=3, evictions=1, entries=2)
     assert cache.total_bytes == 2 * ENTRY
 
 
@@ -281,7 +295,7 @@ def test_evictions_are_charged_to_the_evicted_entrys_model():
 
 def test_an_entry_in_use_is_never_evicted():
     cache = PrefixCache(2 * ENTRY, min_tokens=1)
-    with cache.resume(MODEL, [1], lambda: stored_prefix(4)):
+    with resume_once(cache, MODEL, [1], lambda: stored_prefix(4)):
         use(cache, [2])
         use(cache, [3])  # evicts 2, not 1
         assert not use(cache, [4], tokens=12)  # would need 1's room: not stored
@@ -291,8 +305,8 @@ def test_an_entry_in_use_is_never_evicted():
 
 def test_an_entry_held_by_two_calls_stays_pinned_until_both_end():
     cache = PrefixCache(ENTRY, min_tokens=1)
-    with cache.resume(MODEL, [1], lambda: stored_prefix(4)):
-        with cache.resume(MODEL, [1], lambda: stored_prefix(4)) as (_, hit, _):
+    with resume_once(cache, MODEL, [1], lambda: stored_prefix(4)):
+        with resume_once(cache, MODEL, [1], lambda: stored_prefix(4)) as (_, hit, _):
             assert hit
         assert not use(cache, [2])  # 1 is still held: 2 is not stored
         assert stored(cache) == [(1,)]
@@ -307,7 +321,7 @@ def test_a_released_entry_can_be_evicted():
     assert use(cache, [2])  # released after a hit
     assert not use(cache, [3])
     assert stored(cache) == [(3,)]
-    assert cache.stats(MODEL) == counts(hits=1, misses=3, evictions=2, entries=1)
+    assert figures(cache.stats(MODEL)) == counts(hits=1, misses=3, evictions=2, entries=1)
 
 
 @pytest.mark.parametrize("stored_first", [False, True], ids=["miss", "hit"])
@@ -316,7 +330,7 @@ def test_an_exception_inside_the_block_releases_the_pin(stored_first):
     if stored_first:
         use(cache, [1])
     with pytest.raises(RuntimeError, match="scoring failed"):
-        with cache.resume(MODEL, [1], lambda: stored_prefix(4)):
+        with resume_once(cache, MODEL, [1], lambda: stored_prefix(4)):
             raise RuntimeError("scoring failed")
     assert not use(cache, [2])  # 1 is free: evicted for 2
     assert stored(cache) == [(2,)]
@@ -342,9 +356,9 @@ def test_a_failing_prefill_stores_nothing():
 
     cache = PrefixCache(ENTRY, min_tokens=1)
     with pytest.raises(RuntimeError, match="prefill failed"):
-        with cache.resume(MODEL, [1], prefill):
+        with resume_once(cache, MODEL, [1], prefill):
             pass
-    assert cache.stats(MODEL) == counts(misses=1) and cache.total_bytes == 0
+    assert figures(cache.stats(MODEL)) == counts(misses=1) and cache.total_bytes == 0
 
 
 # -- another call storing the same prefix, concurrent calls -------------------------------------
@@ -355,14 +369,14 @@ def test_a_prefix_stored_meanwhile_by_another_call_is_kept_and_counted_once():
     first = stored_prefix(4)
 
     def prefill_while_another_call_stores_it():
-        with cache.resume(MODEL, [7], lambda: first):
+        with resume_once(cache, MODEL, [7], lambda: first):
             pass
         return stored_prefix(4)
 
-    with cache.resume(MODEL, [7], prefill_while_another_call_stores_it) as (resumed, hit, _):
+    with resume_once(cache, MODEL, [7], prefill_while_another_call_stores_it) as (resumed, hit, _):
         assert not hit and resumed is not first
     assert cache._entries[(MODEL, (7,))].cache is first
-    assert cache.stats(MODEL) == counts(misses=2, entries=1) and cache.total_bytes == ENTRY
+    assert figures(cache.stats(MODEL)) == counts(misses=2, entries=1) and cache.total_bytes == ENTRY
 
 
 def test_concurrent_misses_of_one_prefix_store_it_once():
@@ -374,11 +388,11 @@ def test_concurrent_misses_of_one_prefix_store_it_once():
         return stored_prefix(4)
 
     def miss():
-        with cache.resume(MODEL, [7], prefill):
+        with resume_once(cache, MODEL, [7], prefill):
             pass
 
     run_threads([miss, miss])
-    assert cache.stats(MODEL) == counts(misses=2, entries=1) and cache.total_bytes == ENTRY
+    assert figures(cache.stats(MODEL)) == counts(misses=2, entries=1) and cache.total_bytes == ENTRY
 
 
 def test_concurrent_calls_never_evict_each_others_entries():
@@ -387,13 +401,13 @@ def test_concurrent_calls_never_evict_each_others_entries():
     hits: list[bool] = []
 
     def hold(ids: list[int]) -> None:
-        with cache.resume(MODEL, ids, lambda: stored_prefix(4)) as (_, hit, _):
+        with resume_once(cache, MODEL, ids, lambda: stored_prefix(4)) as (_, hit, _):
             hits.append(hit)
             all_holding.wait()  # every call holds its prefix at once
 
     run_threads([functools.partial(hold, [n]) for n in range(3)])
     assert hits == [False] * 3
-    assert cache.stats(MODEL) == counts(misses=3, entries=2)  # the third did not fit
+    assert figures(cache.stats(MODEL)) == counts(misses=3, entries=2)  # the third did not fit
     assert cache.total_bytes == 2 * ENTRY
 
 
@@ -404,11 +418,11 @@ def test_concurrent_stores_of_different_prefixes_all_count():
     def work(index: int) -> None:
         start.wait()
         for ids in range(10):
-            use(cache, [index, ids], model=(MODEL, index % 2))
+            use(cache, [index * 100 + ids, 0], model=(MODEL, index % 2))  # no shared start
 
     run_threads([functools.partial(work, n) for n in range(4)])
     for parity in (0, 1):
-        assert cache.stats((MODEL, parity)) == counts(misses=20, entries=20)
+        assert figures(cache.stats((MODEL, parity))) == counts(misses=20, entries=20)
     assert cache.total_bytes == 40 * ENTRY
 
 
@@ -446,33 +460,33 @@ def test_drop_returns_the_bytes_it_forgets():
     use(cache, [2])
     assert cache.drop() == 2 * ENTRY  # every model
     assert cache.total_bytes == 0 and cache.drop() == 0
-    assert cache.stats(OTHER_MODEL) == counts(misses=1)
+    assert figures(cache.stats(OTHER_MODEL)) == counts(misses=1)
 
 
 def test_drop_forgets_a_held_entry_and_its_call_ends_normally():
     cache = PrefixCache(1 << 20, min_tokens=1)
-    with cache.resume(MODEL, [1], lambda: stored_prefix(4)) as (resumed, _, _):
+    with resume_once(cache, MODEL, [1], lambda: stored_prefix(4)) as (resumed, _, _):
         assert cache.drop(MODEL) == ENTRY
         assert cache.total_bytes == 0
         assert cache_bytes(resumed) == ENTRY  # the call still has its tensors
     assert not use(cache, [1])
-    assert cache.stats(MODEL) == counts(misses=2, entries=1)
+    assert figures(cache.stats(MODEL)) == counts(misses=2, entries=1)
 
 
 def test_stats_of_a_model_never_seen_are_zero():
     cache = PrefixCache(1 << 20, min_tokens=1)
-    assert cache.stats(MODEL) == counts()
+    assert figures(cache.stats(MODEL)) == counts()
     use(cache, [1])
-    assert cache.stats(OTHER_MODEL) == counts()
+    assert figures(cache.stats(OTHER_MODEL)) == counts()
 
 
 def test_stats_count_every_hit_and_miss_since_the_start():
     cache = PrefixCache(1 << 20, min_tokens=1)
     for ids in ([1], [1], [2], [1], [2], [3]):
         use(cache, ids)
-    assert cache.stats(MODEL) == counts(hits=3, misses=3, entries=3)
+    assert figures(cache.stats(MODEL)) == counts(hits=3, misses=3, entries=3)
     cache.drop()
-    assert cache.stats(MODEL) == counts(hits=3, misses=3)
+    assert figures(cache.stats(MODEL)) == counts(hits=3, misses=3)
 
 
 # -- what an out-of-memory error and a closing model may forget (issue 22, findings 4 and 7) ----
@@ -484,7 +498,7 @@ def test_drop_oldest_forgets_unheld_entries_least_recently_used_first_until_enou
         use(cache, ids)
     use(cache, [9], model=OTHER_MODEL)
     use(cache, [1])  # now the most recently used
-    with cache.resume(MODEL, [2], lambda: stored_prefix(4)):  # held by a running call
+    with resume_once(cache, MODEL, [2], lambda: stored_prefix(4)):  # held by a running call
         assert cache.drop_oldest(MODEL, 2 * ENTRY - 1) == 2 * ENTRY  # [3] and [4], not [2]
     assert stored(cache) == [(9,), (1,), (2,)]
     assert cache.drop_oldest(MODEL, ENTRY) == ENTRY and stored(cache) == [(9,), (2,)]

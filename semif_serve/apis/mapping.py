@@ -135,7 +135,7 @@ def scored(replies: Iterable[dict[str, Any]]) -> Scored:
     return Scored(
         results=results,
         input_tokens=prefix + suffixes,
-        cached_tokens=prefix if results[0].get("cache_hit") else 0,
+        cached_tokens=first.get("cached_tokens", 0),
         written_tokens=prefix if first.get("prefix_stored") else 0,
     )
 

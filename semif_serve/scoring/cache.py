@@ -26,6 +26,8 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from semif_serve.scoring.prefix_attention import SharedPrefix, SuffixOnlyLayer
 
+STATES = ("conv_states", "recurrent_states")  # a linear-attention layer's state dicts
+
 
 def can_share_prefix(cache: Any) -> bool:
     """True when every layer is plain attention or linear attention (no sliding windows etc.)."""
@@ -38,6 +40,51 @@ def working_copy(cache: Any) -> Any:
     layers get clones of theirs (they update them in place). Only for `can_share_prefix` caches."""
     twin = copy.copy(cache)
     twin.layers = [_layer_copy(layer) for layer in cache.layers]
+    return twin
+
+
+def has_linear_layers(cache: Any) -> bool:
+    """Whether the cache holds linear-attention (recurrent) layers, which cannot be cropped."""
+    return any(_kind(layer) == "linear" for layer in cache.layers)
+
+
+def linear_checkpoint(cache: Any) -> list[dict[str, dict]]:
+    """Copies of the linear-attention layers' conv and recurrent states as they are now (one
+    dict per such layer, in layer order): with the attention layers cut to the same length,
+    the cache at this point again (`resumed_at`)."""
+    return [
+        {name: {key: _clone(t) for key, t in getattr(layer, name).items()} for name in STATES}
+        for layer in cache.layers
+        if _kind(layer) == "linear"
+    ]
+
+
+def checkpoint_bytes(checkpoint: list[dict[str, dict]]) -> int:
+    """The bytes of a `linear_checkpoint`'s tensors."""
+    return sum(
+        tensor.nbytes
+        for states in checkpoint
+        for tensors in states.values()
+        for tensor in tensors.values()
+        if tensor is not None
+    )
+
+
+def resumed_at(cache: Any, length: int, checkpoint: list[dict[str, dict]] | None) -> Any:
+    """A working copy of a `can_share_prefix` cache positioned after its first `length`
+    tokens: the attention layers' keys and values cut there (views: the stored tensors stay
+    as they are), the linear-attention layers' states copied from `checkpoint`, which must have
+    been taken after those same `length` tokens (None: the cache has no linear layers, or
+    `length` is its whole length)."""
+    twin = copy.copy(cache)
+    linear = iter(checkpoint or ())
+    twin.layers = [
+        _layer_copy(layer, next(linear) if _kind(layer) == "linear" and checkpoint else None)
+        for layer in cache.layers
+    ]
+    for layer in twin.layers:
+        if _kind(layer) == "attention":
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
     return twin
 
 
@@ -112,12 +159,14 @@ LINEAR_FLAGS = (
 )
 
 
-def _layer_copy(layer: Any) -> Any:
+def _layer_copy(layer: Any, states: dict[str, dict] | None = None) -> Any:
+    """A copy a forward may consume: a linear-attention layer's states are cloned (from
+    `states`, a `linear_checkpoint` entry, when given), the flags it updates copied."""
     twin = copy.copy(layer)
     if _kind(layer) == "linear":
-        for name in ("conv_states", "recurrent_states"):
-            states = getattr(layer, name)
-            setattr(twin, name, {key: _clone(tensor) for key, tensor in states.items()})
+        for name in STATES:
+            source = getattr(layer, name) if states is None else states[name]
+            setattr(twin, name, {key: _clone(tensor) for key, tensor in source.items()})
         for name in LINEAR_FLAGS:  # dicts the layer updates in place
             setattr(twin, name, dict(getattr(layer, name)))
     return twin

@@ -74,16 +74,17 @@ def score_batch(
         cache = prefix_cache if _cached(group[0], prefix_cache) else None
         results, timing = _over_prefix(scoring_model, list(prefix), group, buckets, cache)
         width = max(len(item.prompt.ids) for item in group)
-        ran = _shared_forward(timing, [item.prompt for item in group], timing["cache_hit"])
+        ran = _shared_forward(timing, [item.prompt for item in group])
         for index, result in zip(indices, results):
             outcomes[index] = Batched(result, len(group), width, ran)
     return outcomes
 
 
-def _shared_forward(timing: dict[str, Any], prompts: list[Any], cache_hit: bool) -> Forward:
-    """What a shared forward over one state ran: its prefill (none on a cache hit) and every
-    suffix forward, padding and buckets included, against the prompts' own tokens."""
-    prefill = 0 if cache_hit else timing["prefix_tokens"]
+def _shared_forward(timing: dict[str, Any], prompts: list[Any]) -> Forward:
+    """What a shared forward over one state ran: its prefill (the prefix tokens not resumed
+    from the prefix cache) and every suffix forward, padding and buckets included, against the
+    prompts' own tokens."""
+    prefill = timing["prefix_tokens"] - timing["cached_tokens"]
     suffixes = sum(len(prompt.ids) - timing["prefix_tokens"] for prompt in prompts)
     return Forward(len(prompts), prefill + timing["padded_suffix_tokens"], prefill + suffixes)
 
@@ -112,7 +113,7 @@ def _alone(scoring_model, item, max_tokens, buckets, prefix_cache) -> Batched:
         return Batched(error, rows, width)
     if isinstance(item, SharedInput):
         results, timing = outcome
-        ran = _shared_forward(timing, item.prompts, results[0]["cache_hit"])
+        ran = _shared_forward(timing, item.prompts)
     else:  # one row: its prompt
         ran = Forward(1, outcome["input_tokens"], outcome["input_tokens"])
     return Batched(outcome, rows, width, ran)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from semif_serve.scoring.head import letter_logits
-from semif_serve.scoring.prefill import continue_from, prefilled
+from semif_serve.scoring.prefill import continue_from, prefilled, reuse_timing
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.prompt import EncodedPrompt
 from semif_serve.scoring.shapes import PAD_TOKEN_ID, Buckets
@@ -47,7 +47,7 @@ def forward_packed(
     prefill_started = perf_counter()
     with (
         torch.inference_mode(),
-        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit, stored),
+        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, reuse),
     ):
         prefix_layers = [(layer.keys, layer.values) for layer in cache.layers]
         suffix_started = perf_counter()
@@ -64,8 +64,7 @@ def forward_packed(
         suffix_seconds = perf_counter() - suffix_started
     del cache, prefix_layers, hidden, last_hidden
     return letters, {
-        "cache_hit": hit,
-        "prefix_stored": stored,
+        **reuse_timing(reuse),
         "prefix_tokens": prefix_length,
         "prefill_seconds": suffix_started - prefill_started,
         "replicate_seconds": 0.0,

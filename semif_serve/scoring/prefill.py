@@ -8,14 +8,15 @@ these; both consume the cache `prefilled` yields.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from semif_serve.scoring.prefix_cache import ModelPrefixCache
+from semif_serve.scoring.cache import has_linear_layers, linear_checkpoint
+from semif_serve.scoring.prefix_cache import ModelPrefixCache, Reuse
 
 
 @contextmanager
@@ -24,30 +25,57 @@ def prefilled(
     config: Any,
     prefix_ids: list[int],
     prefix_cache: ModelPrefixCache | None,
-) -> Iterator[tuple[Any, bool]]:
-    """(the prefix's cache for the block to consume, whether it was stored before, whether
-    this call stored it)."""
+) -> Iterator[tuple[Any, Reuse]]:
+    """(the prefix's cache for the block to consume, what of it came from a stored prefill)."""
 
-    def run() -> Any:
-        return prefill(base_model, config, prefix_ids, base_model.device)
+    def run(base: Any, start: int, stops: list[int]) -> tuple[Any, dict[int, Any]]:
+        return prefill(base_model, config, prefix_ids, base_model.device, base, start, stops)
 
     if prefix_cache is None:
-        yield run(), False, False
+        yield run(None, 0, [])[0], Reuse()
         return
     with prefix_cache.resume(prefix_ids, run) as resumed:
         yield resumed
 
 
-def prefill(base_model: Any, config: Any, prefix_ids: list[int], device: torch.device) -> Any:
-    """The prefix's cache, batch 1 (call inside inference_mode)."""
-    cache = DynamicCache(config=config)
-    base_model(
-        input_ids=torch.tensor([prefix_ids], dtype=torch.long, device=device),
-        cache=cache,
-        use_cache=True,
-    )
+def reuse_timing(reuse: Reuse) -> dict[str, Any]:
+    """A forward's timing fields for its prefix: whether all of it was stored (`cache_hit`),
+    whether this call stored it, how many of its tokens were resumed, and from what point."""
+    return {
+        "cache_hit": reuse.hit,
+        "prefix_stored": reuse.stored,
+        "cached_tokens": reuse.tokens,
+        "reuse_point": reuse.point,
+    }
+
+
+def prefill(
+    base_model: Any,
+    config: Any,
+    prefix_ids: list[int],
+    device: torch.device,
+    base: Any = None,
+    start: int = 0,
+    stops: Sequence[int] = (),
+) -> tuple[Any, dict[int, Any]]:
+    """The prefix's cache, batch 1 (call inside inference_mode), and its linear checkpoints.
+
+    From `base` (a cache positioned after `prefix_ids[:start]`; None: an empty one) the rest is
+    prefilled in pieces that end at each of `stops`, where a model with linear-attention layers
+    has its states copied (`cache.linear_checkpoint`); attention-only models run in one piece."""
+    cache = DynamicCache(config=config) if base is None else base
+    recurrent = has_linear_layers(cache)  # DynamicCache(config=...) made its layers
+    ends = [stop for stop in stops if start < stop < len(prefix_ids)] if recurrent else []
+    checkpoints = {}
+    for end in [*ends, len(prefix_ids)]:
+        if end > start:
+            piece = torch.tensor([prefix_ids[start:end]], dtype=torch.long, device=device)
+            base_model(input_ids=piece, cache=cache, use_cache=True)
+        if end < len(prefix_ids):
+            checkpoints[end] = linear_checkpoint(cache)
+        start = end
     synchronize(device)
-    return cache
+    return cache, checkpoints
 
 
 def continue_from(

@@ -3,20 +3,35 @@
 A call's state prefix is the token ids the shared scorer prefills (`shared_prompts`: the longest
 start every row's direct prompt provably has). Its entry is the transformers cache after that
 prefill: the attention layers' keys and values AND the linear-attention layers' conv and
-recurrent states at the prefix end, so a hit resumes hybrid models (Qwen3.5) exactly too. The key
-is the model's identity (source, revision, dtype, device) and those exact ids.
+recurrent states at the prefix end. Entries are keyed by the model's identity (source, revision,
+dtype, device) and their exact ids.
 
-Entries never change once stored: a call resumes from `cache.working_copy(entry)`. The budget
-counts the entries' real tensor bytes; the least recently used entries are evicted first, but
-never one that a running call holds (each use pins its entry). Prefixes shorter than
-`min_tokens` are not worth a lookup and are not cached. One `PrefixCache` serves the process;
-each loaded model uses it through its `ModelPrefixCache` view; the entries of a weights identity
-go when the last model using them goes (two model ids on the same weights share them).
+A call resumes from the stored entry sharing the longest start with its ids (`prefix_tree`),
+when that start is at least `min_tokens` long; otherwise it is a miss:
+- the whole prefix stored: a hit, resumed from a working copy (`cache.working_copy`);
+- a stored entry that is a strict prefix of the ids ("end"): resumed at its end, the rest
+  prefilled (a state that grew);
+- an attention-only entry that diverges later ("crop"): its keys and values cut at the common
+  length, the rest prefilled;
+- linear-attention layers cannot be cut, so an entry of a hybrid model (Qwen3.5) also keeps
+  checkpoints: copies of those layers' states at chosen positions (every `checkpoint_tokens`
+  tokens, and any marked ones); it resumes at the latest checkpoint inside the common start.
+Results are the same as a cold prefill's within float rounding (tests/test_prefix_growth.py).
+A grown entry supersedes the entry it grew from: that one goes as soon as no call holds it, so
+a log that grows a hundred times holds about one entry, not a hundred.
+
+Entries never change once stored. The budget counts the entries' real tensor bytes, checkpoints
+included; the least recently used entries are evicted first, but never one that a running call
+holds (each use pins its entry). Prefixes shorter than `min_tokens` are not worth a lookup and
+are not cached. One `PrefixCache` serves the process; each loaded model uses it through its
+`ModelPrefixCache` view; the entries of a weights identity go when the last model using them
+goes (two model ids on the same weights share them).
 """
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,37 +41,104 @@ from typing import Any
 from semif_serve.scoring.cache import (
     cache_bytes,
     can_share_prefix,
+    checkpoint_bytes,
+    has_linear_layers,
     move_to_own_mapping,
+    resumed_at,
     working_copy,
 )
+from semif_serve.scoring.prefix_tree import PrefixTree
 
 GIB = 1 << 30
 MIN_PREFIX_TOKENS = 128  # shorter prefixes cost less to prefill again than to store and copy
-COUNTERS = ("hits", "misses", "evictions")
+CHECKPOINT_TOKENS = 512  # a hybrid entry's checkpoint spacing (SEMIF_PREFIX_CHECKPOINT_TOKENS)
+COUNTERS = ("hits", "partial_hits", "misses", "evictions", "reused_tokens", "prefilled_tokens")
+END, CROP, CHECKPOINT = "end", "crop", "checkpoint"  # the kinds of point a call resumes from
+
+# prefill(base, start, stops) -> (cache after all the ids, {stop: linear_checkpoint there}):
+# from `base` (a cache positioned after ids[:start]; None: nothing, start 0), prefilling the
+# rest and taking a checkpoint at each stop when the model has linear-attention layers.
+Prefill = Callable[[Any, int, list[int]], tuple[Any, dict[int, Any]]]
 
 
-def _key(model: tuple, ids: list[int]) -> tuple:
-    """An entry's key: the model's identity and the exact prefix ids."""
-    return model, tuple(ids)
+@dataclass(frozen=True)
+class Reuse:
+    """What a call's prefix was resumed from: `tokens` of it came from a stored entry (0: a
+    miss), at a point of kind `point`; `hit`: all of it; `stored`: this call stored it."""
+
+    tokens: int = 0
+    point: str | None = None
+    hit: bool = False
+    stored: bool = False
 
 
 @dataclass
 class _Entry:
     model: tuple
+    ids: tuple[int, ...]
     cache: Any
     nbytes: int
     pins: int = field(default=0)
+    checkpoints: dict[int, tuple[str, Any]] = field(default_factory=dict)  # position: kind, states
+    recurrent: bool = False  # has linear-attention layers: resumes only at checkpoints or its end
+    superseded: bool = False  # a grown entry replaced it: it goes when no call holds it
+
+
+@dataclass(frozen=True)
+class _Found:
+    entry: _Entry
+    tokens: int  # of the call's ids it resumes
+    point: str
+    states: Any  # the linear checkpoint at `tokens` (None: the entry's own, or none needed)
+
+
+def _key(model: tuple, ids: list[int] | tuple[int, ...]) -> tuple:
+    """An entry's key: the model's identity and the exact prefix ids."""
+    return model, tuple(ids)
+
+
+def resume_point(entry: _Entry, shared: int) -> tuple[int, str | None, Any]:
+    """Where a call whose ids share `shared` tokens with `entry` can resume: (tokens, kind, the
+    linear states there). The entry's end when it is all shared; an attention-only entry's cut
+    anywhere; a hybrid entry's latest checkpoint inside the shared part, or nowhere (0)."""
+    if shared == len(entry.ids):
+        return shared, END, None
+    if not entry.recurrent:
+        return shared, CROP, None
+    positions = sorted(entry.checkpoints)
+    index = bisect_right(positions, shared)
+    if index == 0:
+        return 0, None, None
+    position = positions[index - 1]
+    kind, states = entry.checkpoints[position]
+    return position, kind, states
+
+
+def checkpoint_stops(start: int, end: int, every: int, marks: dict[int, str]) -> dict[int, str]:
+    """The positions after `start` and before `end` where a prefill takes checkpoints, and their
+    kinds: every multiple of `every` (0: none), and the marked positions."""
+    stops = {}
+    if every > 0:
+        stops = {at: CHECKPOINT for at in range((start // every + 1) * every, end, every)}
+    return stops | {at: kind for at, kind in marks.items() if start < at < end}
 
 
 class PrefixCache:
     """Stored state prefixes of every loaded model, least recently used first, within
     `budget_bytes` (0: nothing is stored). Thread-safe: parallel slots share it."""
 
-    def __init__(self, budget_bytes: int, min_tokens: int = MIN_PREFIX_TOKENS):
+    def __init__(
+        self,
+        budget_bytes: int,
+        min_tokens: int = MIN_PREFIX_TOKENS,
+        checkpoint_tokens: int = CHECKPOINT_TOKENS,
+    ):
         self.budget_bytes = budget_bytes
         self.min_tokens = min_tokens
+        self.checkpoint_tokens = checkpoint_tokens
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._trees: dict[tuple, PrefixTree] = {}  # each model's stored ids
         self._bytes = 0
         self._counts: dict[tuple, Counter] = {}
         self._users: Counter = Counter()  # loaded engines per model identity
@@ -75,32 +157,44 @@ class PrefixCache:
     # reaches them: mutmut 3 never mutates a decorated function such as this one.
     @contextmanager
     def resume(
-        self, model: tuple, ids: list[int], prefill: Callable[[], Any]
-    ) -> Iterator[tuple[Any, bool]]:
-        """(a cache positioned after `ids` for the caller to consume, whether it was stored
-        before, whether this call stored it).
+        self, model: tuple, ids: list[int], prefill: Prefill, marks: dict[int, str] | None = None
+    ) -> Iterator[tuple[Any, Reuse]]:
+        """(a cache positioned after `ids` for the caller to consume, what it reused).
 
-        A miss runs `prefill()` and stores its cache when the budget allows; the entry the call
-        uses stays pinned until the block ends."""
+        The longest stored start of `ids` is resumed and the rest prefilled (`prefill`); the
+        result is stored when the budget allows. `marks`: positions where a hybrid entry keeps
+        a checkpoint besides every `checkpoint_tokens`, and their kinds. The entries the call
+        uses stay pinned until the block ends."""
         if not self.caches(len(ids)):
-            yield prefill(), False, False
+            yield prefill(None, 0, [])[0], Reuse()
             return
-        key = _key(model, ids)
-        entry = self._take(key)
-        hit = entry is not None
-        if entry is None:
-            prefilled = prefill()
-            entry = self._insert(key, prefilled)
-            if entry is None:  # not stored: the call consumes its own prefill
-                yield prefilled, False, False
-                return
+        found = self._take(model, ids)
         try:
-            yield working_copy(entry.cache), hit, not hit
+            if found is not None and found.tokens == len(ids):  # nothing left to prefill
+                yield self._copy(found), Reuse(len(ids), found.point, hit=True)
+                return
+            start = 0 if found is None else found.tokens
+            base = None if found is None else self._copy(found)
+            stops = checkpoint_stops(start, len(ids), self.checkpoint_tokens, marks or {})
+            prefilled, states = prefill(base, start, sorted(stops))
+            del base
+            checkpoints = {at: (stops[at], taken) for at, taken in states.items()}
+            entry = self._insert(model, ids, prefilled, checkpoints, found)
+            self._count(model, "prefilled_tokens", len(ids) - start)
+            reuse = Reuse(start, None if found is None else found.point, stored=entry is not None)
+            if entry is None:  # not stored: the call consumes its own prefill
+                yield prefilled, reuse
+                return
+            try:
+                yield working_copy(entry.cache), reuse
+            finally:
+                self._release(entry)
         finally:
-            self._release(entry)
+            if found is not None:
+                self._release(found.entry)
 
     def stats(self, model: tuple) -> dict[str, int]:
-        """hits, misses, evictions (since the process started), bytes and entries (now)."""
+        """The counters (since the process started), and bytes, entries and checkpoints (now)."""
         with self._lock:
             counts = self._counts.get(model, Counter())
             held = [entry for entry in self._entries.values() if entry.model == model]
@@ -108,6 +202,7 @@ class PrefixCache:
                 **{name: counts[name] for name in COUNTERS},
                 "bytes": sum(entry.nbytes for entry in held),
                 "entries": len(held),
+                "checkpoints": sum(len(entry.checkpoints) for entry in held),
             }
 
     @property
@@ -147,25 +242,55 @@ class PrefixCache:
             del self._users[model]
         return self.drop(model)
 
-    def _take(self, key: tuple) -> _Entry | None:
+    def _take(self, model: tuple, ids: list[int]) -> _Found | None:
+        """The stored entry to resume from, pinned, and where (None: a miss); counted."""
         with self._lock:
-            entry = self._entries.get(key)
-            self._count(key[0], "misses" if entry is None else "hits")
-            if entry is not None:
-                self._entries.move_to_end(key)
-                entry.pins += 1
-            return entry
+            tree = self._trees.get(model)
+            best: _Found | None = None
+            for key, shared in tree.matches(ids, self.min_tokens) if tree else ():
+                entry = self._entries[key]
+                tokens, point, states = resume_point(entry, shared)
+                if tokens >= self.min_tokens and (best is None or tokens > best.tokens):
+                    best = _Found(entry, tokens, point, states)
+            if best is None:
+                self._count(model, "misses")
+                return None
+            self._count(model, "hits" if best.tokens == len(ids) else "partial_hits")
+            self._count(model, "reused_tokens", best.tokens)
+            self._entries.move_to_end(_key(model, best.entry.ids))
+            best.entry.pins += 1
+            return best
 
-    def _insert(self, key: tuple, prefilled: Any) -> _Entry | None:
+    @staticmethod
+    def _copy(found: _Found) -> Any:
+        """A cache positioned where `found` resumes, for a call to consume."""
+        entry = found.entry
+        if found.tokens == len(entry.ids):
+            return working_copy(entry.cache)
+        return resumed_at(entry.cache, found.tokens, found.states)
+
+    def _insert(
+        self,
+        model: tuple,
+        ids: list[int],
+        prefilled: Any,
+        checkpoints: dict[int, tuple[str, Any]],
+        parent: _Found | None,
+    ) -> _Entry | None:
         """Store `prefilled` pinned once, evicting unpinned least recently used entries to make
         room; None when it cannot be shared, cannot fit (nothing is evicted then) or another call
-        stored it."""
+        stored it. It keeps the parent's checkpoints inside the part it resumed, and a parent
+        that is a strict prefix of `ids` is superseded (it goes when no call holds it)."""
         if not can_share_prefix(prefilled):
             return None
-        nbytes = cache_bytes(prefilled)
+        if parent is not None:
+            inherited = {at: c for at, c in parent.entry.checkpoints.items() if at <= parent.tokens}
+            checkpoints = inherited | checkpoints
+        nbytes = cache_bytes(prefilled) + sum(checkpoint_bytes(c) for _, c in checkpoints.values())
         if nbytes > self.budget_bytes:
             return None
         move_to_own_mapping(prefilled)  # outside the lock: a copy of nbytes
+        key = _key(model, ids)
         with self._lock:
             if key in self._entries:
                 return None
@@ -178,23 +303,42 @@ class PrefixCache:
                     break
                 self._count(old[0], "evictions")
                 self._remove(old)
-            entry = _Entry(model=key[0], cache=prefilled, nbytes=nbytes, pins=1)
+            entry = _Entry(
+                model=model,
+                ids=key[1],
+                cache=prefilled,
+                nbytes=nbytes,
+                pins=1,
+                checkpoints=checkpoints,
+                recurrent=has_linear_layers(prefilled),
+            )
             self._entries[key] = entry
+            self._trees.setdefault(model, PrefixTree()).add(key, key[1])
             self._bytes += nbytes
+            if parent is not None and parent.tokens == len(parent.entry.ids):
+                parent.entry.superseded = True
             return entry
 
     def _release(self, entry: _Entry) -> None:
-        """End one call's use of `entry`; unpinned, it can be evicted again."""
+        """End one call's use of `entry`; unpinned, it can be evicted again, and a superseded
+        entry goes."""
         with self._lock:
             entry.pins -= 1
+            key = _key(entry.model, entry.ids)
+            if not entry.pins and entry.superseded and self._entries.get(key) is entry:
+                self._remove(key)
 
     def _remove(self, key: tuple) -> int:
         entry = self._entries.pop(key)
+        tree = self._trees[entry.model]
+        tree.remove(key, entry.ids)
+        if not len(tree):
+            del self._trees[entry.model]
         self._bytes -= entry.nbytes
         return entry.nbytes
 
-    def _count(self, model: tuple, name: str) -> None:
-        self._counts.setdefault(model, Counter())[name] += 1
+    def _count(self, model: tuple, name: str, amount: int = 1) -> None:
+        self._counts.setdefault(model, Counter())[name] += amount
 
 
 @dataclass(frozen=True)
@@ -207,8 +351,8 @@ class ModelPrefixCache:
     def caches(self, prefix_length: int) -> bool:
         return self.store.caches(prefix_length)
 
-    def resume(self, ids: list[int], prefill: Callable[[], Any]):
-        return self.store.resume(self.model, ids, prefill)
+    def resume(self, ids: list[int], prefill: Prefill, marks: dict[int, str] | None = None):
+        return self.store.resume(self.model, ids, prefill, marks)
 
     def stats(self) -> dict[str, int]:
         return self.store.stats(self.model)

@@ -35,7 +35,7 @@ from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import SharedInput, shared_input
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.packed import forward_packed
-from semif_serve.scoring.prefill import continue_from, prefilled, synchronize
+from semif_serve.scoring.prefill import continue_from, prefilled, reuse_timing, synchronize
 from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_attention
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.prompt import EncodedPrompt, prompt_sha256
@@ -157,7 +157,7 @@ def _forward(
     started = perf_counter()
     with (
         torch.inference_mode(),
-        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, hit, stored),
+        prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, reuse),
     ):
         prefill_seconds = perf_counter() - started
         for group in groups:
@@ -175,8 +175,7 @@ def _forward(
         suffix_seconds += perf_counter() - letters_started
     del cache, last_hidden
     return letters, {
-        "cache_hit": hit,
-        "prefix_stored": stored,
+        **reuse_timing(reuse),
         "prefix_tokens": prefix_length,
         "prefill_seconds": prefill_seconds,
         "replicate_seconds": layout_seconds,

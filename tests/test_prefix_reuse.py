@@ -1,0 +1,206 @@
+"""Longest-prefix reuse in the state-prefix store, on a fake model whose caches say which ids
+they hold (`prefix_fixtures.token_prefill`; fast enough for the mutation grid): a grown state
+resumes at its parent's end and supersedes it, an attention-only entry is cut where a new state
+diverges, a hybrid entry resumes at its latest checkpoint inside the common start, the counters,
+and the checkpoints' positions, inheritance and bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from semif_serve.scoring.cache import cache_bytes, checkpoint_bytes
+from semif_serve.scoring.prefix_cache import (
+    CHECKPOINT,
+    CROP,
+    END,
+    PrefixCache,
+    Reuse,
+    checkpoint_stops,
+)
+
+from prefix_fixtures import read_ids, token_prefill
+
+MODEL = ("source", "test")
+STATE = list(range(1, 201))  # 200 ids, none 0
+
+
+def run(cache, ids, linear=False, marks=None, model=MODEL):
+    """One call over `ids`: (what it reused, the ids its cache held, the prefill's calls)."""
+    calls = []
+    with cache.resume(model, ids, token_prefill(ids, linear, calls), marks) as (resumed, reuse):
+        assert read_ids(resumed) == list(ids)
+    return reuse, calls
+
+
+def entries(cache) -> list[list[int]]:
+    return [list(entry.ids) for entry in cache._entries.values()]
+
+
+def grown(ids, *extra) -> list[int]:
+    return list(ids) + list(extra)
+
+
+# -- attention-only models ------------------------------------------------------------------------
+
+
+def test_a_grown_state_resumes_at_its_parents_end_and_replaces_it():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    assert run(cache, STATE) == (Reuse(stored=True), [(0, [])])
+    longer = grown(STATE, *range(300, 340))
+    assert run(cache, longer) == (Reuse(200, END, stored=True), [(200, [])])
+    assert entries(cache) == [longer]
+    stats = cache.stats(MODEL)
+    assert (stats["hits"], stats["partial_hits"], stats["misses"]) == (0, 1, 1)
+    assert (stats["reused_tokens"], stats["prefilled_tokens"]) == (200, 240)
+    assert stats["bytes"] == cache_bytes(cache._entries[(MODEL, tuple(longer))].cache)
+
+
+def test_a_state_grown_a_hundred_times_holds_one_entry():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    ids = list(STATE)
+    run(cache, ids)
+    for version in range(100):
+        ids = grown(ids, 1000 + version)
+        assert run(cache, ids)[0] == Reuse(len(ids) - 1, END, stored=True)
+    assert entries(cache) == [ids]
+    assert cache.stats(MODEL)["reused_tokens"] == sum(range(200, 300))
+
+
+def test_an_attention_entry_is_cut_where_a_new_state_diverges():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    run(cache, STATE)
+    edited = STATE[:150] + [999] + STATE[151:]
+    assert run(cache, edited) == (Reuse(150, CROP, stored=True), [(150, [])])
+    assert entries(cache) == [STATE, edited]  # the parent is not a start of it: both stay
+    assert run(cache, STATE)[0] == Reuse(200, END, hit=True)  # the parent is unchanged
+
+
+def test_a_start_of_a_stored_state_is_served_whole_and_stores_nothing():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    run(cache, STATE)
+    assert run(cache, STATE[:120]) == (Reuse(120, CROP, hit=True), [])
+    assert entries(cache) == [STATE]
+    assert cache.stats(MODEL)["hits"] == 1
+
+
+def test_the_longest_stored_start_wins():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    for cut in (50, 150, 100):
+        run(cache, STATE[:cut] + [900 + cut])
+    assert run(cache, STATE)[0].tokens == 150
+
+
+def test_a_common_start_shorter_than_min_tokens_is_a_miss():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    run(cache, STATE)
+    assert run(cache, STATE[:7] + [999] * 10) == (Reuse(stored=True), [(0, [])])
+    assert run(cache, STATE[:8] + [998] * 10)[0] == Reuse(8, CROP, stored=True)
+    assert cache.stats(MODEL)["misses"] == 2
+
+
+def test_another_models_entries_are_never_resumed():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    run(cache, STATE, model=("source", "other"))
+    assert run(cache, grown(STATE, 5))[0] == Reuse(stored=True)
+
+
+def test_a_superseded_parent_held_by_a_call_stays_until_it_ends():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    run(cache, STATE)
+    with cache.resume(MODEL, STATE, token_prefill(STATE)) as (_, held):
+        assert held.hit
+        run(cache, grown(STATE, 7))
+        assert entries(cache) == [STATE, grown(STATE, 7)]
+    assert entries(cache) == [grown(STATE, 7)]
+
+
+def test_an_entry_never_changes_however_often_it_is_resumed():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE, linear=True)
+    for cut in (64, 128, 199, 200):
+        run(cache, STATE[:cut] + [5, 6, 7], linear=True)
+    for entry in cache._entries.values():
+        assert read_ids(entry.cache) == list(entry.ids)  # the linear states too
+
+
+# -- hybrid models: checkpoints -------------------------------------------------------------------
+
+
+def test_a_hybrid_entry_keeps_a_checkpoint_every_checkpoint_tokens():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    assert run(cache, STATE, linear=True)[1] == [(0, [64, 128, 192])]
+    (entry,) = cache._entries.values()
+    assert sorted(entry.checkpoints) == [64, 128, 192]
+    assert {kind for kind, _ in entry.checkpoints.values()} == {CHECKPOINT}
+    states = sum(checkpoint_bytes(states) for _, states in entry.checkpoints.values())
+    assert entry.nbytes == cache_bytes(entry.cache) + states == cache.stats(MODEL)["bytes"]
+    assert cache.stats(MODEL)["checkpoints"] == 3
+
+
+def test_an_attention_only_entry_keeps_no_checkpoints():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE)
+    assert cache.stats(MODEL)["checkpoints"] == 0
+
+
+@pytest.mark.parametrize(
+    "diverges, resumed, kind",
+    [(150, 128, CHECKPOINT), (128, 128, CHECKPOINT), (127, 64, CHECKPOINT), (63, 0, None)],
+)
+def test_a_hybrid_state_resumes_at_the_latest_checkpoint_inside_the_common_start(
+    diverges, resumed, kind
+):
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE, linear=True)
+    edited = STATE[:diverges] + [999] * 20
+    reuse, calls = run(cache, edited, linear=True)
+    assert (reuse.tokens, reuse.point, reuse.hit) == (resumed, kind, False)
+    assert calls[0][0] == resumed  # the prefill's base held exactly ids[:resumed], states too
+
+
+def test_a_grown_hybrid_state_resumes_at_its_parents_end():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE, linear=True)
+    longer = grown(STATE, *range(300, 400))
+    assert run(cache, longer, linear=True) == (Reuse(200, END, stored=True), [(200, [256])])
+    (entry,) = cache._entries.values()
+    assert sorted(entry.checkpoints) == [64, 128, 192, 256]  # the parent's, and its own
+
+
+def test_a_hybrid_start_ending_on_a_checkpoint_is_served_without_a_prefill():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE, linear=True)
+    assert run(cache, STATE[:128], linear=True) == (Reuse(128, CHECKPOINT, hit=True), [])
+    assert run(cache, STATE[:130], linear=True)[0] == Reuse(128, CHECKPOINT, stored=True)
+
+
+def test_a_cut_entry_keeps_only_the_checkpoints_inside_what_it_resumed():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE, linear=True)
+    edited = STATE[:150] + [999] * 100
+    run(cache, edited, linear=True)
+    entry = cache._entries[(MODEL, tuple(edited))]
+    assert sorted(entry.checkpoints) == [64, 128, 192]  # 64, 128 inherited; 192 its own
+    assert read_ids(entry.cache) == edited
+
+
+def test_marked_positions_are_checkpoints_of_their_kind():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=0)
+    run(cache, STATE, linear=True, marks={150: "breakpoint", 250: "breakpoint"})
+    (entry,) = cache._entries.values()
+    assert [(at, kind) for at, (kind, _) in entry.checkpoints.items()] == [(150, "breakpoint")]
+    assert run(cache, STATE[:160] + [1], linear=True)[0] == Reuse(150, "breakpoint", stored=True)
+
+
+def test_checkpoint_stops_lie_strictly_between_start_and_end():
+    assert checkpoint_stops(0, 200, 64, {}) == {64: CHECKPOINT, 128: CHECKPOINT, 192: CHECKPOINT}
+    assert checkpoint_stops(64, 192, 64, {}) == {128: CHECKPOINT}
+    assert checkpoint_stops(65, 193, 64, {}) == {128: CHECKPOINT, 192: CHECKPOINT}
+    assert checkpoint_stops(0, 200, 0, {}) == {}
+    marks = {10: "breakpoint", 64: "boundary", 200: "breakpoint", 0: "breakpoint"}
+    assert checkpoint_stops(0, 200, 64, marks) == {
+        10: "breakpoint",
+        64: "boundary",
+        128: CHECKPOINT,
+        192: CHECKPOINT,
+    }
