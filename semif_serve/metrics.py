@@ -116,7 +116,22 @@ def _prefix_cache_families() -> dict[str, GaugeMetricFamily | CounterMetricFamil
     return {
         "hits": CounterMetricFamily(
             "semif_prefix_cache_hits",
-            "Calls that resumed from a stored state prefix",
+            "Calls that resumed all of their state prefix from a stored one",
+            labels=["model"],
+        ),
+        "partial_hits": CounterMetricFamily(
+            "semif_prefix_cache_partial_hits",
+            "Calls that resumed the start of their state prefix (a grown or edited state)",
+            labels=["model"],
+        ),
+        "reused_tokens": CounterMetricFamily(
+            "semif_prefix_cache_reused_tokens",
+            "State-prefix tokens resumed from stored prefixes",
+            labels=["model"],
+        ),
+        "prefilled_tokens": CounterMetricFamily(
+            "semif_prefix_cache_prefilled_tokens",
+            "State-prefix tokens prefilled by calls that looked the cache up",
             labels=["model"],
         ),
         "misses": CounterMetricFamily(
@@ -130,6 +145,11 @@ def _prefix_cache_families() -> dict[str, GaugeMetricFamily | CounterMetricFamil
         ),
         "entries": GaugeMetricFamily(
             "semif_prefix_cache_entries", "Stored state prefixes", labels=["model"]
+        ),
+        "checkpoints": GaugeMetricFamily(
+            "semif_prefix_cache_checkpoints",
+            "Linear-attention state checkpoints kept inside stored prefixes (hybrid models)",
+            labels=["model"],
         ),
     }
 

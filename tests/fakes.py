@@ -108,6 +108,8 @@ class FakeScorer:
             "prefix_tokens": 6,
             "true_suffix_tokens": 4 * len(rows),
             "prefix_stored": False,
+            "cached_tokens": 0,
+            "reuse_point": None,
         }
 
 

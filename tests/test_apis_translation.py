@@ -302,22 +302,31 @@ def test_scored_counts_the_state_once_and_reads_the_cache_from_the_first_call():
     replies = [
         {
             "results": [result([0.5, 0.5], hit=True), result([1.0, 0.0])],
-            "timing": {"prefix_tokens": 6, "true_suffix_tokens": 8, "prefix_stored": True},
+            "timing": {
+                "prefix_tokens": 6,
+                "true_suffix_tokens": 8,
+                "prefix_stored": True,
+                "cached_tokens": 4,  # a state that grew: 4 of its 6 tokens resumed
+            },
         },
         {
             "results": [result([0.25, 0.75], hit=False)],
-            "timing": {"prefix_tokens": 9, "true_suffix_tokens": 5, "prefix_stored": False},
+            "timing": {
+                "prefix_tokens": 9,
+                "true_suffix_tokens": 5,
+                "prefix_stored": False,
+                "cached_tokens": 9,
+            },
         },
     ]
     got = mapping.scored(iter(replies))
     assert got == Scored(
         results=[*replies[0]["results"], *replies[1]["results"]],
         input_tokens=6 + 8 + 5,
-        cached_tokens=6,
+        cached_tokens=4,
         written_tokens=6,
     )
-    replies[0]["results"][0]["cache_hit"] = False
-    replies[0]["results"][1]["cache_hit"] = True  # only the first result says for the state
+    replies[0]["timing"]["cached_tokens"] = 0  # only the first call says for the state
     replies[0]["timing"]["prefix_stored"] = False
     replies[1]["timing"]["prefix_stored"] = True
     assert mapping.scored(replies) == Scored(
@@ -327,7 +336,7 @@ def test_scored_counts_the_state_once_and_reads_the_cache_from_the_first_call():
         written_tokens=0,
     )
     del replies[0]["timing"]["prefix_stored"]  # a timing that does not say: nothing written
-    del replies[0]["results"][0]["cache_hit"]
+    del replies[0]["timing"]["cached_tokens"]  # nor reused
     assert mapping.scored(replies).written_tokens == 0
     assert mapping.scored(replies).cached_tokens == 0
 
@@ -1041,7 +1050,8 @@ class FixedScorer(FakeScorer):
         return answer
 
     def timing(self, rows):
-        return {**super().timing(rows), "prefix_stored": self.stored}
+        cached = 6 if rows[0].id in self.hits else 0  # the whole state, as a hit reuses it
+        return {**super().timing(rows), "prefix_stored": self.stored, "cached_tokens": cached}
 
 
 FLOAT_FIELDS = re.compile(rb'"(?:noul|probability|confidence|score|temperature|\d+)": -?\d+[,}\]]')

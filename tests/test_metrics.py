@@ -60,14 +60,22 @@ def test_each_loaded_models_prefix_cache_is_exported():
     rt.start(idle_interval_s=None)
     factory.engines["a"].scorer.cache = {
         "hits": 7,
+        "partial_hits": 5,
         "misses": 3,
         "evictions": 1,
+        "reused_tokens": 9000,
+        "prefilled_tokens": 800,
         "bytes": 4096,
         "entries": 2,
+        "checkpoints": 6,
     }
     samples = scrape(api)
     model_a = (("model", "a"),)
     assert samples[("semif_prefix_cache_hits_total", model_a)] == 7
+    assert samples[("semif_prefix_cache_partial_hits_total", model_a)] == 5
+    assert samples[("semif_prefix_cache_reused_tokens_total", model_a)] == 9000
+    assert samples[("semif_prefix_cache_prefilled_tokens_total", model_a)] == 800
+    assert samples[("semif_prefix_cache_checkpoints", model_a)] == 6
     assert samples[("semif_prefix_cache_misses_total", model_a)] == 3
     assert samples[("semif_prefix_cache_evictions_total", model_a)] == 1
     assert samples[("semif_prefix_cache_bytes", model_a)] == 4096

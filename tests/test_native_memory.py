@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from prefix_fixtures import resume_once
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
@@ -24,8 +25,6 @@ from semif_serve.scoring import cache as cache_module
 from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring.cache import MAPPING_ALIGNMENT, cache_bytes, move_to_own_mapping
 from semif_serve.scoring.prefix_cache import PrefixCache
-
-from prefix_fixtures import resume_once
 
 MODEL = ("source", "test")
 

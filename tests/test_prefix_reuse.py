@@ -7,18 +7,18 @@ and the checkpoints' positions, inheritance and bytes."""
 from __future__ import annotations
 
 import pytest
+from prefix_fixtures import read_ids, token_prefill
 
 from semif_serve.scoring.cache import cache_bytes, checkpoint_bytes
 from semif_serve.scoring.prefix_cache import (
     CHECKPOINT,
     CROP,
     END,
+    SUPERSEDED_TAIL,
     PrefixCache,
     Reuse,
     checkpoint_stops,
 )
-
-from prefix_fixtures import read_ids, token_prefill
 
 MODEL = ("source", "test")
 STATE = list(range(1, 201))  # 200 ids, none 0
@@ -73,6 +73,18 @@ def test_an_attention_entry_is_cut_where_a_new_state_diverges():
     assert run(cache, edited) == (Reuse(150, CROP, stored=True), [(150, [])])
     assert entries(cache) == [STATE, edited]  # the parent is not a start of it: both stay
     assert run(cache, STATE)[0] == Reuse(200, END, hit=True)  # the parent is unchanged
+
+
+@pytest.mark.parametrize(
+    "tail, superseded", [(SUPERSEDED_TAIL, True), (SUPERSEDED_TAIL + 1, False)]
+)
+def test_a_parent_differing_only_in_its_last_few_tokens_is_superseded(tail, superseded):
+    """A grown JSON state: its parent ended in closing characters where it goes on."""
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    run(cache, STATE)
+    child = STATE[: 200 - tail] + [999] * 30
+    run(cache, child)
+    assert entries(cache) == ([child] if superseded else [STATE, child])
 
 
 def test_a_start_of_a_stored_state_is_served_whole_and_stores_nothing():

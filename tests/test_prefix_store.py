@@ -10,14 +10,13 @@ import threading
 
 import pytest
 import torch
+from prefix_fixtures import resume_once
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring.cache import cache_bytes
 from semif_serve.scoring.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
-
-from prefix_fixtures import resume_once
 
 MODEL = ("source", "test")
 OTHER_MODEL = ("source", "other")

@@ -26,6 +26,8 @@ RESULT_KEYS = {
     "prefix_sha256",
 }
 TIMING_KEYS = {
+    "cached_tokens",
+    "reuse_point",
     "total_seconds",
     "encode_seconds",
     "prefix_tokens",

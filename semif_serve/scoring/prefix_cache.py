@@ -17,8 +17,9 @@ when that start is at least `min_tokens` long; otherwise it is a miss:
   checkpoints: copies of those layers' states at chosen positions (every `checkpoint_tokens`
   tokens, and any marked ones); it resumes at the latest checkpoint inside the common start.
 Results are the same as a cold prefill's within float rounding (tests/test_prefix_growth.py).
-A grown entry supersedes the entry it grew from: that one goes as soon as no call holds it, so
-a log that grows a hundred times holds about one entry, not a hundred.
+A grown entry supersedes the entry it grew from (but for its last few tokens: a JSON state's
+closing characters): that one goes as soon as no call holds it, so a log that grows a hundred
+times holds about one entry, not a hundred.
 
 Entries never change once stored. The budget counts the entries' real tensor bytes, checkpoints
 included; the least recently used entries are evicted first, but never one that a running call
@@ -52,6 +53,10 @@ from semif_serve.scoring.prefix_tree import PrefixTree
 GIB = 1 << 30
 MIN_PREFIX_TOKENS = 128  # shorter prefixes cost less to prefill again than to store and copy
 CHECKPOINT_TOKENS = 512  # a hybrid entry's checkpoint spacing (SEMIF_PREFIX_CHECKPOINT_TOKENS)
+# A new entry supersedes the one it resumed from when that one's ids differ from its own in at
+# most this many last tokens: a grown state (none), or a grown JSON state, whose earlier version
+# ended in closing characters (`"}]}`) where the new one goes on.
+SUPERSEDED_TAIL = 16
 COUNTERS = ("hits", "partial_hits", "misses", "evictions", "reused_tokens", "prefilled_tokens")
 END, CROP, CHECKPOINT = "end", "crop", "checkpoint"  # the kinds of point a call resumes from
 
@@ -87,7 +92,8 @@ class _Entry:
 @dataclass(frozen=True)
 class _Found:
     entry: _Entry
-    tokens: int  # of the call's ids it resumes
+    shared: int  # the tokens the call's ids have in common with the entry's, from the start
+    tokens: int  # of those, the ones it resumes
     point: str
     states: Any  # the linear checkpoint at `tokens` (None: the entry's own, or none needed)
 
@@ -112,6 +118,14 @@ def resume_point(entry: _Entry, shared: int) -> tuple[int, str | None, Any]:
     position = positions[index - 1]
     kind, states = entry.checkpoints[position]
     return position, kind, states
+
+
+def _copy(found: _Found) -> Any:
+    """A cache positioned where `found` resumes, for a call to consume."""
+    entry = found.entry
+    if found.tokens == len(entry.ids):
+        return working_copy(entry.cache)
+    return resumed_at(entry.cache, found.tokens, found.states)
 
 
 def checkpoint_stops(start: int, end: int, every: int, marks: dict[int, str]) -> dict[int, str]:
@@ -171,17 +185,9 @@ class PrefixCache:
         found = self._take(model, ids)
         try:
             if found is not None and found.tokens == len(ids):  # nothing left to prefill
-                yield self._copy(found), Reuse(len(ids), found.point, hit=True)
+                yield _copy(found), Reuse(len(ids), found.point, hit=True)
                 return
-            start = 0 if found is None else found.tokens
-            base = None if found is None else self._copy(found)
-            stops = checkpoint_stops(start, len(ids), self.checkpoint_tokens, marks or {})
-            prefilled, states = prefill(base, start, sorted(stops))
-            del base
-            checkpoints = {at: (stops[at], taken) for at, taken in states.items()}
-            entry = self._insert(model, ids, prefilled, checkpoints, found)
-            self._count(model, "prefilled_tokens", len(ids) - start)
-            reuse = Reuse(start, None if found is None else found.point, stored=entry is not None)
+            prefilled, entry, reuse = self._prefill_rest(model, ids, prefill, marks or {}, found)
             if entry is None:  # not stored: the call consumes its own prefill
                 yield prefilled, reuse
                 return
@@ -192,6 +198,26 @@ class PrefixCache:
         finally:
             if found is not None:
                 self._release(found.entry)
+
+    def _prefill_rest(
+        self,
+        model: tuple,
+        ids: list[int],
+        prefill: Prefill,
+        marks: dict[int, str],
+        found: _Found | None,
+    ) -> tuple[Any, _Entry | None, Reuse]:
+        """Prefill what `found` (None: a miss) does not resume, taking the checkpoints, and
+        store the result: (the prefilled cache, its entry pinned or None, what was reused)."""
+        start = 0 if found is None else found.tokens
+        base = None if found is None else _copy(found)
+        stops = checkpoint_stops(start, len(ids), self.checkpoint_tokens, marks)
+        prefilled, states = prefill(base, start, sorted(stops))
+        checkpoints = {at: (stops[at], taken) for at, taken in states.items()}
+        entry = self._insert(model, ids, prefilled, checkpoints, found)
+        self._count(model, "prefilled_tokens", len(ids) - start)
+        point = None if found is None else found.point
+        return prefilled, entry, Reuse(start, point, stored=entry is not None)
 
     def stats(self, model: tuple) -> dict[str, int]:
         """The counters (since the process started), and bytes, entries and checkpoints (now)."""
@@ -251,7 +277,7 @@ class PrefixCache:
                 entry = self._entries[key]
                 tokens, point, states = resume_point(entry, shared)
                 if tokens >= self.min_tokens and (best is None or tokens > best.tokens):
-                    best = _Found(entry, tokens, point, states)
+                    best = _Found(entry, shared, tokens, point, states)
             if best is None:
                 self._count(model, "misses")
                 return None
@@ -260,14 +286,6 @@ class PrefixCache:
             self._entries.move_to_end(_key(model, best.entry.ids))
             best.entry.pins += 1
             return best
-
-    @staticmethod
-    def _copy(found: _Found) -> Any:
-        """A cache positioned where `found` resumes, for a call to consume."""
-        entry = found.entry
-        if found.tokens == len(entry.ids):
-            return working_copy(entry.cache)
-        return resumed_at(entry.cache, found.tokens, found.states)
 
     def _insert(
         self,
@@ -279,8 +297,9 @@ class PrefixCache:
     ) -> _Entry | None:
         """Store `prefilled` pinned once, evicting unpinned least recently used entries to make
         room; None when it cannot be shared, cannot fit (nothing is evicted then) or another call
-        stored it. It keeps the parent's checkpoints inside the part it resumed, and a parent
-        that is a strict prefix of `ids` is superseded (it goes when no call holds it)."""
+        stored it. It keeps the parent's checkpoints inside the part it resumed, and supersedes
+        a parent that is a start of `ids` but for at most SUPERSEDED_TAIL last tokens (it goes
+        when no call holds it)."""
         if not can_share_prefix(prefilled):
             return None
         if parent is not None:
@@ -315,7 +334,7 @@ class PrefixCache:
             self._entries[key] = entry
             self._trees.setdefault(model, PrefixTree()).add(key, key[1])
             self._bytes += nbytes
-            if parent is not None and parent.tokens == len(parent.entry.ids):
+            if parent is not None and len(parent.entry.ids) - parent.shared <= SUPERSEDED_TAIL:
                 parent.entry.superseded = True
             return entry
 

@@ -2,9 +2,10 @@
 a new one, and how long that start is, in O(its length).
 
 Each edge holds a run of token ids; a node knows the keys of the sequences that end on it
-(`ending`) and of every sequence that passes through it (`through`). `matches` walks one path:
-the sequences that end on it are prefixes of the new ids (their whole length is shared), and
-where the path leaves the tree, every sequence below shares exactly what was matched so far.
+(`ending`) and of every sequence that passes through it (`through`). `matches` walks one path,
+as far as the new ids go along the tree: the sequences that end on it are starts of the new
+ids (their whole length is shared), and where it stops, every sequence through that point
+shares exactly what was matched, the longest start any stored sequence shares.
 Sequences that share fewer than `at_least` tokens are never listed, so an unrelated state costs
 one short walk.
 """
@@ -62,23 +63,21 @@ class PrefixTree:
         node.ending.discard(key)
 
     def matches(self, ids: Sequence[int], at_least: int = 1) -> list[tuple[Hashable, int]]:
-        """(key, shared tokens) of every stored sequence sharing at least `at_least` tokens
-        with `ids`; a sequence's shared tokens are its longest common start with `ids`."""
+        """(key, shared tokens) of the stored sequences that share the longest start with `ids`,
+        and of those that are a start of `ids` themselves, when they share at least `at_least`
+        tokens. (Others share less than the longest; the walk does not visit them.)"""
         found: list[tuple[Hashable, int]] = []
         node, at = self._root, 0
         while True:
             if at >= at_least:
                 found += [(key, at) for key in node.ending]
-            if at == len(ids):  # everything below continues `ids`
+            child = node.children.get(ids[at]) if at < len(ids) else None
+            if child is None:  # every sequence through here shares `at`, and none more
                 below = node.through - node.ending
                 break
-            child = node.children.get(ids[at])
-            if child is None:
-                below = set()
-                break
             shared = _shared(child.edge, ids, at)
-            if shared < len(child.edge):
-                node, at, below = child, at + shared, child.through
+            if shared < len(child.edge):  # those below `child` share `at + shared`
+                at, below = at + shared, child.through
                 break
             node, at = child, at + shared
         if at >= at_least:
