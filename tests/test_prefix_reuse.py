@@ -11,6 +11,8 @@ from prefix_fixtures import read_ids, token_prefill
 
 from semif_serve.scoring.cache import cache_bytes, checkpoint_bytes
 from semif_serve.scoring.prefix_cache import (
+    BOUNDARY,
+    BOUNDARY_TOKENS,
     CHECKPOINT,
     CROP,
     END,
@@ -45,9 +47,9 @@ def grown(ids, *extra) -> list[int]:
 
 def test_a_grown_state_resumes_at_its_parents_end_and_replaces_it():
     cache = PrefixCache(1 << 20, min_tokens=8)
-    assert run(cache, STATE) == (Reuse(stored=True), [(0, [])])
+    assert run(cache, STATE) == (Reuse(stored=True), [(0, [198])])  # the boundary, asked
     longer = grown(STATE, *range(300, 340))
-    assert run(cache, longer) == (Reuse(200, END, stored=True), [(200, [])])
+    assert run(cache, longer) == (Reuse(200, END, stored=True), [(200, [238])])
     assert entries(cache) == [longer]
     stats = cache.stats(MODEL)
     assert (stats["hits"], stats["partial_hits"], stats["misses"]) == (0, 1, 1)
@@ -70,7 +72,7 @@ def test_an_attention_entry_is_cut_where_a_new_state_diverges():
     cache = PrefixCache(1 << 20, min_tokens=8)
     run(cache, STATE)
     edited = STATE[:150] + [999] + STATE[151:]
-    assert run(cache, edited) == (Reuse(150, CROP, stored=True), [(150, [])])
+    assert run(cache, edited) == (Reuse(150, CROP, stored=True), [(150, [198])])
     assert entries(cache) == [STATE, edited]  # the parent is not a start of it: both stay
     assert run(cache, STATE)[0] == Reuse(200, END, hit=True)  # the parent is unchanged
 
@@ -105,7 +107,7 @@ def test_the_longest_stored_start_wins():
 def test_a_common_start_shorter_than_min_tokens_is_a_miss():
     cache = PrefixCache(1 << 20, min_tokens=8)
     run(cache, STATE)
-    assert run(cache, STATE[:7] + [999] * 10) == (Reuse(stored=True), [(0, [])])
+    assert run(cache, STATE[:7] + [999] * 10) == (Reuse(stored=True), [(0, [15])])
     assert run(cache, STATE[:8] + [998] * 10)[0] == Reuse(8, CROP, stored=True)
     assert cache.stats(MODEL)["misses"] == 2
 
@@ -140,13 +142,13 @@ def test_an_entry_never_changes_however_often_it_is_resumed():
 
 def test_a_hybrid_entry_keeps_a_checkpoint_every_checkpoint_tokens():
     cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
-    assert run(cache, STATE, linear=True)[1] == [(0, [64, 128, 192])]
+    assert run(cache, STATE, linear=True)[1] == [(0, [64, 128, 192, 198])]
     (entry,) = cache._entries.values()
-    assert sorted(entry.checkpoints) == [64, 128, 192]
-    assert {kind for kind, _ in entry.checkpoints.values()} == {CHECKPOINT}
+    kinds = {at: kind for at, (kind, _) in entry.checkpoints.items()}
+    assert kinds == {64: CHECKPOINT, 128: CHECKPOINT, 192: CHECKPOINT, 198: BOUNDARY}
     states = sum(checkpoint_bytes(states) for _, states in entry.checkpoints.values())
     assert entry.nbytes == cache_bytes(entry.cache) + states == cache.stats(MODEL)["bytes"]
-    assert cache.stats(MODEL)["checkpoints"] == 3
+    assert cache.stats(MODEL)["checkpoints"] == 4
 
 
 def test_an_attention_only_entry_keeps_no_checkpoints():
@@ -170,13 +172,23 @@ def test_a_hybrid_state_resumes_at_the_latest_checkpoint_inside_the_common_start
     assert calls[0][0] == resumed  # the prefill's base held exactly ids[:resumed], states too
 
 
+@pytest.mark.parametrize("diverges", [199, 198])
+def test_a_grown_json_state_resumes_at_the_boundary_before_its_parents_end(diverges):
+    """The closing `]}` of the stored version merge differently once an event follows."""
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE, linear=True)
+    reuse, calls = run(cache, STATE[:diverges] + [999] * 40, linear=True)
+    assert reuse == Reuse(200 - BOUNDARY_TOKENS, BOUNDARY, stored=True)
+    assert calls[0][0] == 198 and len(cache._entries) == 1  # the parent is superseded
+
+
 def test_a_grown_hybrid_state_resumes_at_its_parents_end():
     cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
     run(cache, STATE, linear=True)
     longer = grown(STATE, *range(300, 400))
-    assert run(cache, longer, linear=True) == (Reuse(200, END, stored=True), [(200, [256])])
+    assert run(cache, longer, linear=True) == (Reuse(200, END, stored=True), [(200, [256, 298])])
     (entry,) = cache._entries.values()
-    assert sorted(entry.checkpoints) == [64, 128, 192, 256]  # the parent's, and its own
+    assert sorted(entry.checkpoints) == [64, 128, 192, 198, 256, 298]  # the parent's, its own
 
 
 def test_a_hybrid_start_ending_on_a_checkpoint_is_served_without_a_prefill():
@@ -192,7 +204,7 @@ def test_a_cut_entry_keeps_only_the_checkpoints_inside_what_it_resumed():
     edited = STATE[:150] + [999] * 100
     run(cache, edited, linear=True)
     entry = cache._entries[(MODEL, tuple(edited))]
-    assert sorted(entry.checkpoints) == [64, 128, 192]  # 64, 128 inherited; 192 its own
+    assert sorted(entry.checkpoints) == [64, 128, 192, 248]  # 64, 128 inherited; 192, 248 own
     assert read_ids(entry.cache) == edited
 
 
@@ -200,19 +212,24 @@ def test_marked_positions_are_checkpoints_of_their_kind():
     cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=0)
     run(cache, STATE, linear=True, marks={150: "breakpoint", 250: "breakpoint"})
     (entry,) = cache._entries.values()
-    assert [(at, kind) for at, (kind, _) in entry.checkpoints.items()] == [(150, "breakpoint")]
+    kinds = [(at, kind) for at, (kind, _) in sorted(entry.checkpoints.items())]
+    assert kinds == [(150, "breakpoint"), (198, BOUNDARY)]
     assert run(cache, STATE[:160] + [1], linear=True)[0] == Reuse(150, "breakpoint", stored=True)
 
 
 def test_checkpoint_stops_lie_strictly_between_start_and_end():
-    assert checkpoint_stops(0, 200, 64, {}) == {64: CHECKPOINT, 128: CHECKPOINT, 192: CHECKPOINT}
-    assert checkpoint_stops(64, 192, 64, {}) == {128: CHECKPOINT}
-    assert checkpoint_stops(65, 193, 64, {}) == {128: CHECKPOINT, 192: CHECKPOINT}
-    assert checkpoint_stops(0, 200, 0, {}) == {}
-    marks = {10: "breakpoint", 64: "boundary", 200: "breakpoint", 0: "breakpoint"}
+    every = {64: CHECKPOINT, 128: CHECKPOINT, 192: CHECKPOINT}
+    assert checkpoint_stops(0, 200, 64, {}) == every | {200 - BOUNDARY_TOKENS: BOUNDARY}
+    assert checkpoint_stops(64, 192, 64, {}) == {128: CHECKPOINT, 190: BOUNDARY}
+    assert checkpoint_stops(65, 193, 64, {}) == {128: CHECKPOINT, 191: BOUNDARY, 192: CHECKPOINT}
+    assert checkpoint_stops(0, 200, 0, {}) == {198: BOUNDARY}
+    assert checkpoint_stops(197, 200, 0, {}) == {198: BOUNDARY}
+    assert checkpoint_stops(198, 200, 0, {}) == {}  # the boundary is not after the start
+    marks = {10: "breakpoint", 64: "breakpoint", 200: "breakpoint", 0: "breakpoint"}
     assert checkpoint_stops(0, 200, 64, marks) == {
         10: "breakpoint",
-        64: "boundary",
+        64: "breakpoint",
         128: CHECKPOINT,
         192: CHECKPOINT,
+        198: BOUNDARY,
     }

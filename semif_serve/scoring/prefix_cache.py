@@ -52,13 +52,20 @@ from semif_serve.scoring.prefix_tree import PrefixTree
 
 GIB = 1 << 30
 MIN_PREFIX_TOKENS = 128  # shorter prefixes cost less to prefill again than to store and copy
-CHECKPOINT_TOKENS = 512  # a hybrid entry's checkpoint spacing (SEMIF_PREFIX_CHECKPOINT_TOKENS)
+CHECKPOINT_TOKENS = 1024  # a hybrid entry's checkpoint spacing (SEMIF_PREFIX_CHECKPOINT_TOKENS)
+# A hybrid entry also keeps a checkpoint this many tokens before its end: a state that grew
+# shares its stored prefix up to there. Measured with SmolLM2's and Qwen3.5's tokenizers over
+# text, list and nested JSON states with one event appended (docs/operations.md): the common
+# start ends 0 (text), 0-1 (lists) or 0-2 (nested objects) tokens before the stored end.
+BOUNDARY_TOKENS = 2
 # A new entry supersedes the one it resumed from when that one's ids differ from its own in at
 # most this many last tokens: a grown state (none), or a grown JSON state, whose earlier version
 # ended in closing characters (`"}]}`) where the new one goes on.
 SUPERSEDED_TAIL = 16
 COUNTERS = ("hits", "partial_hits", "misses", "evictions", "reused_tokens", "prefilled_tokens")
-END, CROP, CHECKPOINT = "end", "crop", "checkpoint"  # the kinds of point a call resumes from
+# The kinds of point a call resumes from: a stored entry's end, a cut inside an attention-only
+# entry, and a hybrid entry's checkpoints (periodic, and near its end).
+END, CROP, CHECKPOINT, BOUNDARY = "end", "crop", "checkpoint", "boundary"
 
 # prefill(base, start, stops) -> (cache after all the ids, {stop: linear_checkpoint there}):
 # from `base` (a cache positioned after ids[:start]; None: nothing, start 0), prefilling the
@@ -130,11 +137,13 @@ def _copy(found: _Found) -> Any:
 
 def checkpoint_stops(start: int, end: int, every: int, marks: dict[int, str]) -> dict[int, str]:
     """The positions after `start` and before `end` where a prefill takes checkpoints, and their
-    kinds: every multiple of `every` (0: none), and the marked positions."""
+    kinds: every multiple of `every` (0: none), BOUNDARY_TOKENS before the end, and the marked
+    positions."""
     stops = {}
     if every > 0:
         stops = {at: CHECKPOINT for at in range((start // every + 1) * every, end, every)}
-    return stops | {at: kind for at, kind in marks.items() if start < at < end}
+    stops[end - BOUNDARY_TOKENS] = BOUNDARY
+    return {at: kind for at, kind in (stops | marks).items() if start < at < end}
 
 
 class PrefixCache:
