@@ -119,11 +119,10 @@ class Engine:
         return split(items, self._batch_call, self._relief())
 
     def _batch_call(self, items: list[Any], cached: bool) -> list[Any]:
-        batch = getattr(self._scorer, "score_batch", None)
-        if batch is None:
-            run = partial(_each, self._one)
+        if hasattr(self._scorer, "score_batch"):
+            run = self._method("score_batch", cached)
         else:
-            run = batch if cached else partial(batch, cached=False)
+            run = partial(_each, self._one)
         outcomes = self._call(run, items)
         if len(outcomes) != len(items):
             raise ScoringFailed(f"the scorer returned {len(outcomes)} outcomes for {len(items)}")

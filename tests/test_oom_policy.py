@@ -14,7 +14,7 @@ from fake_torch import FakeTorch
 
 from semif_serve.engine import Engine
 from semif_serve.errors import OutOfMemory, ScoringFailed
-from semif_serve.oom_policy import bytes_to_drop, shortfall
+from semif_serve.oom_policy import bytes_to_drop, ran_out_of_memory, relieved, shortfall
 from semif_serve.torch_scorer import TorchScorer
 
 MIB = 1 << 20
@@ -108,23 +108,31 @@ class Calls:
         return "scored"
 
 
-def scored(made, call):
-    """`call` as the scorer's one call (with its cache, or None on the policy's retry), through
-    the engine's policy: its error handling, then `oom_policy.relieved` with `made.relieve`."""
-    made.score = lambda row, cached=True: call(made.prefix_cache if cached else None)
+def scored(made, call, method="score"):
+    """`call` as the scorer's one call `method` (with its cache, or None on the policy's retry:
+    `cached=False`, a bool and nothing else), through the engine's policy: its error handling,
+    then `oom_policy.relieved` with `made.relieve`."""
+
+    def score(argument, cached=True):
+        return call({True: made.prefix_cache, False: None}.get(cached, "cached is not a bool"))
+
+    setattr(made, method, score)
     device = made.scoring_model.info.device
-    return Engine(made, device=device, torch_module=made._torch).score("a row")
+    return getattr(Engine(made, device=device, torch_module=made._torch), method)("a row")
 
 
 def drops_logged(caplog):
     return [r.getMessage() for r in caplog.records if r.name == "semif_serve.torch_scorer"]
 
 
-def test_an_oom_drops_only_what_covers_the_shortfall_and_retries_without_the_cache(caplog):
+@pytest.mark.parametrize("method", ["score", "score_shared"])
+def test_an_oom_drops_only_what_covers_the_shortfall_and_retries_without_the_cache(
+    caplog, method
+):
     cache = FakeModelCache(stored=100 * MIB, entry=10 * MIB)
     made, call = scorer(cache), Calls(1)
     with caplog.at_level(logging.WARNING):
-        assert scored(made, call) == "scored"
+        assert scored(made, call, method) == "scored"
     assert cache.drops == [16 * MIB] and cache.stored == 80 * MIB  # two entries of ten
     assert call.caches == [cache, None]
     # handed back twice before the second try: by the engine after the failed call, then by
@@ -203,3 +211,40 @@ def test_a_cpu_model_hands_nothing_back_to_a_gpu():
     made = scorer(cache, device="cpu")
     assert scored(made, Calls(1, message=CPU_OOM)) == "scored"
     assert made._torch.cuda.empty_cache_calls == []
+
+
+def test_relieved_runs_once_more_with_cached_false_only_after_a_relief():
+    tries: list[object] = []
+
+    def attempt(cached):
+        tries.append(cached)
+        if len(tries) == 1:
+            raise OutOfMemory("CUDA out of memory")
+        return "scored"
+
+    assert relieved(attempt, lambda message: message == "CUDA out of memory") == "scored"
+    assert tries == [True, False] and tries[1] is False
+
+
+def test_a_warm_up_call_that_runs_out_of_memory_is_its_message_with_the_device_cache_emptied():
+    fake = FakeTorch()
+
+    def call():
+        raise FakeTorch.OutOfMemoryError("  no size given  ")  # only its type says OOM
+
+    assert ran_out_of_memory(call, fake) == "  no size given  "
+    assert len(fake.cuda.empty_cache_calls) == 1
+    assert ran_out_of_memory(lambda: None, fake) is None
+    assert len(fake.cuda.empty_cache_calls) == 1  # a call that ran hands nothing back
+    with pytest.raises(ValueError, match="bug"):
+        ran_out_of_memory(lambda: int("bug"), fake)
+
+
+def test_a_warm_up_out_of_memory_on_the_cpu_empties_no_device_cache():
+    fake = FakeTorch(available=False)
+
+    def call():
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    assert ran_out_of_memory(call, fake) == "DefaultCPUAllocator: can't allocate memory"
+    assert fake.cuda.empty_cache_calls == []
