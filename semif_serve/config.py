@@ -27,6 +27,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 # CPU ~10 of SmolLM2's. At most MAX_PREFIX_CACHE_GIB (more is a typo: no card holds it).
 PREFIX_CACHE_GIB = {"cpu": 1.0, "cuda": 8.0}
 MAX_PREFIX_CACHE_GIB = 1024.0
+# SEMIF_PREFIX_CHECKPOINT_TOKENS: a hybrid model's stored prefix keeps its linear-attention states
+# every this many tokens, so that a state edited or cut inside it resumes from the checkpoint
+# before the change. One checkpoint of Qwen3.5-4B is ~50 MiB (24 linear layers' recurrent and
+# conv states), as much as ~1,600 tokens of its keys and values: 1024 keeps them under the
+# entry's own size. At least 64 (a prefill cut into smaller pieces runs slower than it saves).
+PREFIX_CHECKPOINT_TOKENS = 1024
+MIN_PREFIX_CHECKPOINT_TOKENS = 64
 # The dynamic batcher's defaults (rows, padded tokens), by measurement (docs/performance.md): on 2
 # CPU cores a batched forward gains up to ~1.27x per row at ~110 tokens and loses beyond ~1.5-4k
 # padded tokens, so the CPU batches up to 1,024 padded tokens (16 callers of ~110 tokens: 1.43x
@@ -78,6 +85,7 @@ class Settings:
     write_timeout_s: float = 30.0  # a reply must be taken by the client within this
     max_connections: int = 1000  # open connections the worker holds; more wait in the backlog
     prefix_cache_gib: float = PREFIX_CACHE_GIB["cuda"]  # 0: no state-prefix cache
+    prefix_checkpoint_tokens: int = PREFIX_CHECKPOINT_TOKENS
     max_batch_rows: int = 1  # rows one batched forward takes at most; 1: no batching
     max_batch_tokens: int = 16384  # its padded tokens (rows x longest prompt) at most
     batch_wait_ms: int = 0  # how long a batch waits for more requests; 0: never
@@ -141,6 +149,7 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         prefix_cache_gib=parse_cache_gib(
             env.get("SEMIF_PREFIX_CACHE_GIB"), PREFIX_CACHE_GIB[device_kind]
         ),
+        prefix_checkpoint_tokens=parse_checkpoint_tokens(env),
         max_batch_rows=parse_limit(env, "SEMIF_MAX_BATCH_ROWS", batch_rows, MAX_BATCH_ROWS_LIMIT),
         max_batch_tokens=parse_limit(
             env, "SEMIF_MAX_BATCH_TOKENS", batch_tokens, MAX_BATCH_TOKENS_LIMIT
@@ -225,6 +234,18 @@ def parse_cache_gib(text: str | None, default: float) -> float:
         raise ConfigError(f"{name}: must be a number of GiB, got {text!r}") from None
     if not 0 <= value <= MAX_PREFIX_CACHE_GIB:  # also refuses nan and inf
         raise ConfigError(f"{name}: must be in [0, {MAX_PREFIX_CACHE_GIB:g}] GiB, got {text!r}")
+    return value
+
+
+def parse_checkpoint_tokens(env: Mapping[str, str]) -> int:
+    """SEMIF_PREFIX_CHECKPOINT_TOKENS: an integer in [MIN_PREFIX_CHECKPOINT_TOKENS,
+    MAX_TOKENS_LIMIT]; unset: PREFIX_CHECKPOINT_TOKENS."""
+    name = "SEMIF_PREFIX_CHECKPOINT_TOKENS"
+    value = parse_limit(env, name, PREFIX_CHECKPOINT_TOKENS, MAX_TOKENS_LIMIT)
+    if value < MIN_PREFIX_CHECKPOINT_TOKENS:
+        raise ConfigError(
+            f"{name}: must be at least {MIN_PREFIX_CHECKPOINT_TOKENS} tokens, got {value}"
+        )
     return value
 
 

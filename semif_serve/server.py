@@ -240,7 +240,10 @@ def build_runtime(
     check_alias_targets(settings.model_aliases, [spec.id for spec in specs])
     # Without SEMIF_PARALLEL_SLOTS every model's calls share the device, taken in turn (INV-2).
     shared_lock = DeviceQueue() if settings.parallel_slots is None else None
-    prefix_cache = PrefixCache(int(settings.prefix_cache_gib * GIB))  # one budget, every model
+    prefix_cache = PrefixCache(  # one budget, every model
+        int(settings.prefix_cache_gib * GIB),
+        checkpoint_tokens=settings.prefix_checkpoint_tokens,
+    )
     factory = engine_factory or (
         lambda spec: build_engine(settings, spec, lock=shared_lock, prefix_cache=prefix_cache)
     )

@@ -40,6 +40,7 @@ DEFAULTS = {
     "write_timeout_s": 30.0,
     "max_connections": 1000,
     "prefix_cache_gib": 8.0,
+    "prefix_checkpoint_tokens": 1024,
     "max_batch_rows": 1,
     "max_batch_tokens": 16384,
     "batch_wait_ms": 0,
@@ -73,6 +74,7 @@ ONE_VARIABLE = [
     ("SEMIF_WRITE_TIMEOUT_S", "4", "write_timeout_s", 4.0),
     ("SEMIF_MAX_CONNECTIONS", "50", "max_connections", 50),
     ("SEMIF_PREFIX_CACHE_GIB", "0", "prefix_cache_gib", 0.0),
+    ("SEMIF_PREFIX_CHECKPOINT_TOKENS", "64", "prefix_checkpoint_tokens", 64),
     ("SEMIF_MAX_BATCH_ROWS", "16", "max_batch_rows", 16),
     ("SEMIF_MAX_BATCH_TOKENS", "4096", "max_batch_tokens", 4096),
     ("SEMIF_BATCH_WAIT_MS", "5", "batch_wait_ms", 5),
@@ -303,3 +305,17 @@ def test_the_batch_limits_are_bounded(variable, most):
         config.ConfigError, match=rf"^{variable}: must be an integer in \[1, {most}\]"
     ):
         Settings.from_env({"SEMIF_API_TOKEN": TOKEN, variable: str(most + 1)})
+
+
+def test_the_checkpoint_spacing_takes_64_to_a_million_tokens():
+    for text, value in [("64", 64), ("0512", 512), (str(1 << 20), 1 << 20)]:
+        env = {"SEMIF_API_TOKEN": TOKEN, "SEMIF_PREFIX_CHECKPOINT_TOKENS": text}
+        assert Settings.from_env(env).prefix_checkpoint_tokens == value
+    for text, shown in [("63", "at least 64 tokens, got 63"), ("0", "[1, 1048576]")]:
+        with pytest.raises(config.ConfigError) as refused:
+            Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_PREFIX_CHECKPOINT_TOKENS": text})
+        assert str(refused.value).startswith("SEMIF_PREFIX_CHECKPOINT_TOKENS: must be ")
+        assert shown in str(refused.value)
+    for text in ["1048577", "1e3", "", "9" * 400]:
+        with pytest.raises(config.ConfigError, match="^SEMIF_PREFIX_CHECKPOINT_TOKENS: "):
+            Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_PREFIX_CHECKPOINT_TOKENS": text})

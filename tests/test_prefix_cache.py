@@ -17,7 +17,7 @@ from semif_serve.engine import Engine
 from semif_serve.errors import OutOfMemory
 from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring import score, score_shared
-from semif_serve.scoring.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
+from semif_serve.scoring.prefix_cache import BOUNDARY, MIN_PREFIX_TOKENS, PrefixCache
 from semif_serve.scoring.prompt import render
 from semif_serve.scoring.rows import as_row
 from semif_serve.torch_scorer import TorchScorer
@@ -71,7 +71,7 @@ def test_a_hit_scores_what_a_fresh_direct_call_scores(request, model_name):
         "prefilled_tokens": 0,
         "bytes": 0,
         "entries": 1,
-        "checkpoints": 0,
+        "checkpoints": 1 if model_name == "tiny_qwen" else 0,  # hybrid: the boundary one
     }
     assert stats["reused_tokens"] == 10 * stats["prefilled_tokens"] > 0  # the prefix, 10 times
 
@@ -200,6 +200,14 @@ def test_bytes_are_the_tensors_real_bytes(tiny_qwen):
     linear = [layer for layer in entry.cache.layers if hasattr(layer, "recurrent_states")]
     assert linear, "the tiny Qwen3.5 has linear-attention layers"
     expected = sum(tensor.nbytes for tensor in entry_tensors(entry.cache))
+    (boundary,) = [states for kind, states in entry.checkpoints.values() if kind == BOUNDARY]
+    expected += sum(
+        tensor.nbytes
+        for layer in boundary
+        for tensors in layer.values()
+        for tensor in tensors.values()
+        if tensor is not None
+    )
     assert cache.stats(MODEL)["bytes"] == expected == cache.total_bytes
 
 

@@ -26,10 +26,11 @@ MODEL = ("source", "test")
 STATE = list(range(1, 201))  # 200 ids, none 0
 
 
-def run(cache, ids, linear=False, marks=None, model=MODEL):
-    """One call over `ids`: (what it reused, the ids its cache held, the prefill's calls)."""
+def run(cache, ids, linear=False, marks=None, model=MODEL, session=None):
+    """One call over `ids` in `session`: (what it reused, the prefill's calls)."""
     calls = []
-    with cache.resume(model, ids, token_prefill(ids, linear, calls), marks) as (resumed, reuse):
+    prefill = token_prefill(ids, linear, calls)
+    with cache.resume(model, ids, prefill, marks, session) as (resumed, reuse):
         assert read_ids(resumed) == list(ids)
     return reuse, calls
 
@@ -54,7 +55,7 @@ def test_a_grown_state_resumes_at_its_parents_end_and_replaces_it():
     stats = cache.stats(MODEL)
     assert (stats["hits"], stats["partial_hits"], stats["misses"]) == (0, 1, 1)
     assert (stats["reused_tokens"], stats["prefilled_tokens"]) == (200, 240)
-    assert stats["bytes"] == cache_bytes(cache._entries[(MODEL, tuple(longer))].cache)
+    assert stats["bytes"] == cache_bytes(cache._entries[(MODEL, None, tuple(longer))].cache)
 
 
 def test_a_state_grown_a_hundred_times_holds_one_entry():
@@ -203,7 +204,7 @@ def test_a_cut_entry_keeps_only_the_checkpoints_inside_what_it_resumed():
     run(cache, STATE, linear=True)
     edited = STATE[:150] + [999] * 100
     run(cache, edited, linear=True)
-    entry = cache._entries[(MODEL, tuple(edited))]
+    entry = cache._entries[(MODEL, None, tuple(edited))]
     assert sorted(entry.checkpoints) == [64, 128, 192, 248]  # 64, 128 inherited; 192, 248 own
     assert read_ids(entry.cache) == edited
 
@@ -233,3 +234,42 @@ def test_checkpoint_stops_lie_strictly_between_start_and_end():
         192: CHECKPOINT,
         198: BOUNDARY,
     }
+
+
+# -- sessions ---------------------------------------------------------------------------------------
+
+
+def test_a_session_reuses_only_its_own_entries_and_sessionless_calls_share_theirs():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    longer = grown(STATE, *range(300, 340))
+    assert run(cache, STATE, session="alice")[0] == Reuse(stored=True)
+    # another session, and calls without one, find nothing of alice's: a miss each, stored apart
+    assert run(cache, STATE, session="bob")[0] == Reuse(stored=True)
+    assert run(cache, longer)[0] == Reuse(stored=True)
+    assert run(cache, longer, session="alice")[0] == Reuse(200, END, stored=True)
+    assert run(cache, STATE)[0] == Reuse(200, CROP, hit=True)  # the sessionless entry, cut
+    assert run(cache, STATE, session="bob")[0] == Reuse(200, END, hit=True)
+    assert sorted((entry.partition or "", len(entry.ids)) for entry in cache._entries.values()) == [
+        ("", 240),
+        ("alice", 240),  # alice's grown entry superseded her first one
+        ("bob", 200),
+    ]
+    stats = cache.stats(MODEL)  # one model's counters, every session's
+    assert (stats["hits"], stats["partial_hits"], stats["misses"]) == (2, 1, 3)
+    assert stats["entries"] == 3
+
+
+def test_a_models_view_stores_and_finds_within_its_session():
+    cache = PrefixCache(1 << 20, min_tokens=8)
+    view = cache.for_model(MODEL)
+    alice = view.within("alice")
+    assert (alice.partition, view.partition, alice.within(None).partition) == ("alice", None, None)
+    with alice.resume(STATE, token_prefill(STATE)) as (_, reuse):
+        assert reuse == Reuse(stored=True)
+    with view.resume(STATE, token_prefill(STATE)) as (_, reuse):
+        assert reuse == Reuse(stored=True)  # not alice's
+    with alice.resume(STATE, token_prefill(STATE)) as (_, reuse):
+        assert reuse == Reuse(200, END, hit=True)
+    held = cache.stats(MODEL)["bytes"]
+    assert held > 0 and view.close() == held  # every session's entries go with the model
+    assert cache._entries == {} and cache._trees == {}

@@ -186,7 +186,7 @@ def test_a_stored_miss_resumes_from_a_copy_and_the_entry_stays():
     with resume_once(cache, MODEL, [1], lambda: prefilled) as (resumed, hit, _):
         assert not hit and resumed is not prefilled
     ((key, entry),) = cache._entries.items()
-    assert key == (MODEL, (1,)) and entry.cache is prefilled
+    assert key == (MODEL, None, (1,)) and entry.cache is prefilled
     assert (entry.model, entry.nbytes, entry.pins) == (MODEL, ENTRY, 0)
 
 
@@ -374,7 +374,7 @@ def test_a_prefix_stored_meanwhile_by_another_call_is_kept_and_counted_once():
 
     with resume_once(cache, MODEL, [7], prefill_while_another_call_stores_it) as (resumed, hit, _):
         assert not hit and resumed is not first
-    assert cache._entries[(MODEL, (7,))].cache is first
+    assert cache._entries[(MODEL, None, (7,))].cache is first
     assert figures(cache.stats(MODEL)) == counts(misses=2, entries=1) and cache.total_bytes == ENTRY
 
 

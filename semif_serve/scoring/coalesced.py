@@ -9,7 +9,8 @@ A model's scheduler (`runtime/scheduler.py`) hands the batch it chose here as on
 - direct rows over one state prefix are grouped by it when the cache takes that prefix or
   another row in the batch has it too: each group is one shared forward (one prefill, or a
   stored one resumed, then every row's suffix), as a shared call over those rows would run, so
-  requests over the same state share its prefill, cache or not;
+  requests over the same state share its prefill, cache or not (rows of different sessions,
+  `Row.cache_key`, never share one: each session reuses and stores only its own prefixes);
 - a `/decide/shared` call (a `SharedInput`) runs as a unit, never split.
 Each input gets a `Batched`: its outcome (direct: a result dict; shared: (results, timing); or
 the `RowError` its own row raised: any other failure is the whole call's) and the rows and
@@ -55,10 +56,10 @@ def score_batch(
         elif item.prefix_ids is None:
             plain.append(index)
         else:
-            by_prefix.setdefault(tuple(item.prefix_ids), []).append(index)
-    for prefix, indices in list(by_prefix.items()):
+            by_prefix.setdefault((tuple(item.prefix_ids), item.row.cache_key), []).append(index)
+    for group_key, indices in list(by_prefix.items()):  # (prefix ids, session)
         if len(indices) == 1 and not _cached(inputs[indices[0]], prefix_cache):
-            plain += by_prefix.pop(prefix)  # alone over its state, and not worth a lookup
+            plain += by_prefix.pop(group_key)  # alone over its state, and not worth a lookup
     plain.sort()
     if len(plain) == 1:  # a batch of one is the unbatched call, exactly
         [index] = plain
@@ -69,9 +70,9 @@ def score_batch(
         ran = Forward(shape[0], shape[0] * shape[1], sum(len(item.prompt.ids) for item in items))
         for index, result in zip(plain, results):
             outcomes[index] = Batched(result, len(plain), shape[1], ran)
-    for prefix, indices in by_prefix.items():
+    for (prefix, session), indices in by_prefix.items():
         group = [inputs[i] for i in indices]
-        cache = prefix_cache if _cached(group[0], prefix_cache) else None
+        cache = prefix_cache.within(session) if _cached(group[0], prefix_cache) else None
         results, timing = _over_prefix(scoring_model, list(prefix), group, buckets, cache)
         width = max(len(item.prompt.ids) for item in group)
         ran = _shared_forward(timing, [item.prompt for item in group])

@@ -46,7 +46,8 @@ def score(
 
     forward_started = perf_counter()
     if prefix_ids is not None and prefix_cache is not None and prefix_cache.caches(len(prefix_ids)):
-        logits, timing = shared.forward(model, prefix_ids, [prompt], buckets, prefix_cache)
+        cache = prefix_cache.within(parsed.cache_key)
+        logits, timing = shared.forward(model, prefix_ids, [prompt], buckets, cache)
         letter_logits, cache_hit = logits[0], timing["cache_hit"]
     else:
         letter_ids = torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=model.device)

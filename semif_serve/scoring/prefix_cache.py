@@ -4,7 +4,9 @@ A call's state prefix is the token ids the shared scorer prefills (`shared_promp
 start every row's direct prompt provably has). Its entry is the transformers cache after that
 prefill: the attention layers' keys and values AND the linear-attention layers' conv and
 recurrent states at the prefix end. Entries are keyed by the model's identity (source, revision,
-dtype, device) and their exact ids.
+dtype, device), the callers' session (`Row.cache_key`: X-Semif-Session or a Decisions request's
+prompt_cache_key; None for calls that name none) and their exact ids. A call finds and stores
+entries of its own session only: no session's `cache_hit` or timing tells of another's states.
 
 A call resumes from the stored entry sharing the longest start with its ids (`prefix_tree`),
 when that start is at least `min_tokens` long; otherwise it is a miss:
@@ -36,7 +38,7 @@ from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from semif_serve.scoring.cache import (
@@ -87,6 +89,7 @@ class Reuse:
 @dataclass
 class _Entry:
     model: tuple
+    partition: str | None  # the callers' session that may reuse it (None: sessionless calls)
     ids: tuple[int, ...]
     cache: Any
     nbytes: int
@@ -105,9 +108,14 @@ class _Found:
     states: Any  # the linear checkpoint at `tokens` (None: the entry's own, or none needed)
 
 
-def _key(model: tuple, ids: list[int] | tuple[int, ...]) -> tuple:
-    """An entry's key: the model's identity and the exact prefix ids."""
-    return model, tuple(ids)
+def _key(space: tuple, ids: list[int] | tuple[int, ...]) -> tuple:
+    """An entry's key: its space (the model's identity, the session) and the exact prefix ids."""
+    return *space, tuple(ids)
+
+
+def _space(entry: _Entry) -> tuple:
+    """Where `entry` can be found: its model's identity and its session."""
+    return entry.model, entry.partition
 
 
 def resume_point(entry: _Entry, shared: int) -> tuple[int, str | None, Any]:
@@ -161,7 +169,7 @@ class PrefixCache:
         self.checkpoint_tokens = checkpoint_tokens
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._trees: dict[tuple, PrefixTree] = {}  # each model's stored ids
+        self._trees: dict[tuple, PrefixTree] = {}  # each (model, session)'s stored ids
         self._bytes = 0
         self._counts: dict[tuple, Counter] = {}
         self._users: Counter = Counter()  # loaded engines per model identity
@@ -180,23 +188,30 @@ class PrefixCache:
     # reaches them: mutmut 3 never mutates a decorated function such as this one.
     @contextmanager
     def resume(
-        self, model: tuple, ids: list[int], prefill: Prefill, marks: dict[int, str] | None = None
+        self,
+        model: tuple,
+        ids: list[int],
+        prefill: Prefill,
+        marks: dict[int, str] | None = None,
+        partition: str | None = None,
     ) -> Iterator[tuple[Any, Reuse]]:
         """(a cache positioned after `ids` for the caller to consume, what it reused).
 
-        The longest stored start of `ids` is resumed and the rest prefilled (`prefill`); the
-        result is stored when the budget allows. `marks`: positions where a hybrid entry keeps
-        a checkpoint besides every `checkpoint_tokens`, and their kinds. The entries the call
+        The longest stored start of `ids` among the entries of `model` and the caller's session
+        `partition` is resumed and the rest prefilled (`prefill`); the result is stored, in
+        that session, when the budget allows. `marks`: positions where a hybrid entry keeps a
+        checkpoint besides every `checkpoint_tokens`, and their kinds. The entries the call
         uses stay pinned until the block ends."""
         if not self.caches(len(ids)):
             yield prefill(None, 0, [])[0], Reuse()
             return
-        found = self._take(model, ids)
+        space = (model, partition)
+        found = self._take(space, ids)
         try:
             if found is not None and found.tokens == len(ids):  # nothing left to prefill
                 yield _copy(found), Reuse(len(ids), found.point, hit=True)
                 return
-            prefilled, entry, reuse = self._prefill_rest(model, ids, prefill, marks or {}, found)
+            prefilled, entry, reuse = self._prefill_rest(space, ids, prefill, marks or {}, found)
             if entry is None:  # not stored: the call consumes its own prefill
                 yield prefilled, reuse
                 return
@@ -210,7 +225,7 @@ class PrefixCache:
 
     def _prefill_rest(
         self,
-        model: tuple,
+        space: tuple,
         ids: list[int],
         prefill: Prefill,
         marks: dict[int, str],
@@ -223,8 +238,8 @@ class PrefixCache:
         stops = checkpoint_stops(start, len(ids), self.checkpoint_tokens, marks)
         prefilled, states = prefill(base, start, sorted(stops))
         checkpoints = {at: (stops[at], taken) for at, taken in states.items()}
-        entry = self._insert(model, ids, prefilled, checkpoints, found)
-        self._count(model, "prefilled_tokens", len(ids) - start)
+        entry = self._insert(space, ids, prefilled, checkpoints, found)
+        self._count(space[0], "prefilled_tokens", len(ids) - start)
         point = None if found is None else found.point
         return prefilled, entry, Reuse(start, point, stored=entry is not None)
 
@@ -277,10 +292,12 @@ class PrefixCache:
             del self._users[model]
         return self.drop(model)
 
-    def _take(self, model: tuple, ids: list[int]) -> _Found | None:
-        """The stored entry to resume from, pinned, and where (None: a miss); counted."""
+    def _take(self, space: tuple, ids: list[int]) -> _Found | None:
+        """The stored entry of `space` to resume from, pinned, and where (None: a miss);
+        counted for its model."""
+        model = space[0]
         with self._lock:
-            tree = self._trees.get(model)
+            tree = self._trees.get(space)
             best: _Found | None = None
             for key, shared in tree.matches(ids, self.min_tokens) if tree else ():
                 entry = self._entries[key]
@@ -292,13 +309,13 @@ class PrefixCache:
                 return None
             self._count(model, "hits" if best.tokens == len(ids) else "partial_hits")
             self._count(model, "reused_tokens", best.tokens)
-            self._entries.move_to_end(_key(model, best.entry.ids))
+            self._entries.move_to_end(_key(space, best.entry.ids))
             best.entry.pins += 1
             return best
 
     def _insert(
         self,
-        model: tuple,
+        space: tuple,
         ids: list[int],
         prefilled: Any,
         checkpoints: dict[int, tuple[str, Any]],
@@ -318,7 +335,7 @@ class PrefixCache:
         if nbytes > self.budget_bytes:
             return None
         move_to_own_mapping(prefilled)  # outside the lock: a copy of nbytes
-        key = _key(model, ids)
+        key = _key(space, ids)
         with self._lock:
             if key in self._entries:
                 return None
@@ -329,11 +346,12 @@ class PrefixCache:
             for old in evictable:
                 if self._bytes + nbytes <= self.budget_bytes:
                     break
-                self._count(old[0], "evictions")
+                self._count(self._entries[old].model, "evictions")
                 self._remove(old)
             entry = _Entry(
-                model=model,
-                ids=key[1],
+                model=space[0],
+                partition=space[1],
+                ids=key[-1],
                 cache=prefilled,
                 nbytes=nbytes,
                 pins=1,
@@ -341,7 +359,7 @@ class PrefixCache:
                 recurrent=has_linear_layers(prefilled),
             )
             self._entries[key] = entry
-            self._trees.setdefault(model, PrefixTree()).add(key, key[1])
+            self._trees.setdefault(space, PrefixTree()).add(key, key[-1])
             self._bytes += nbytes
             if parent is not None and len(parent.entry.ids) - parent.shared <= SUPERSEDED_TAIL:
                 parent.entry.superseded = True
@@ -352,16 +370,16 @@ class PrefixCache:
         entry goes."""
         with self._lock:
             entry.pins -= 1
-            key = _key(entry.model, entry.ids)
+            key = _key(_space(entry), entry.ids)
             if not entry.pins and entry.superseded and self._entries.get(key) is entry:
                 self._remove(key)
 
     def _remove(self, key: tuple) -> int:
         entry = self._entries.pop(key)
-        tree = self._trees[entry.model]
+        tree = self._trees[_space(entry)]
         tree.remove(key, entry.ids)
         if not len(tree):
-            del self._trees[entry.model]
+            del self._trees[_space(entry)]
         self._bytes -= entry.nbytes
         return entry.nbytes
 
@@ -375,12 +393,17 @@ class ModelPrefixCache:
 
     store: PrefixCache
     model: tuple
+    partition: str | None = None  # the session whose entries `resume` finds and stores
+
+    def within(self, partition: str | None) -> ModelPrefixCache:
+        """This view for the calls of session `partition` (None: sessionless calls)."""
+        return replace(self, partition=partition)
 
     def caches(self, prefix_length: int) -> bool:
         return self.store.caches(prefix_length)
 
     def resume(self, ids: list[int], prefill: Prefill, marks: dict[int, str] | None = None):
-        return self.store.resume(self.model, ids, prefill, marks)
+        return self.store.resume(self.model, ids, prefill, marks, self.partition)
 
     def stats(self) -> dict[str, int]:
         return self.store.stats(self.model)

@@ -42,6 +42,9 @@ class Row:
     state: Any
     question: str
     options: tuple[Option, ...]
+    # The caller's session (X-Semif-Session, or a Decisions request's prompt_cache_key): its
+    # stored state prefixes are reused only by calls of the same session. Never in the prompt.
+    cache_key: str | None = None
 
     @property
     def option_ids(self) -> list[str]:

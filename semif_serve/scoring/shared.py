@@ -68,8 +68,9 @@ def score_shared(
     parsed, prompts, prefix_ids = rows.rows, rows.prompts, rows.prefix_ids
 
     model = scoring_model.model
+    cache = None if prefix_cache is None else prefix_cache.within(parsed[0].cache_key)
     row_logits, forward_timing = forward(
-        model, prefix_ids, prompts, resolve(buckets, model.device), prefix_cache
+        model, prefix_ids, prompts, resolve(buckets, model.device), cache
     )
     cache_fields = {
         "cache_hit": forward_timing.pop("cache_hit"),
