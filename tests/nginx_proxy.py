@@ -27,7 +27,10 @@ STOP_TIMEOUT_S = 10
 LOG_TIMEOUT_S = 10
 LISTEN = "listen 8470;"
 HASH = "hash $semif_route consistent;"
-LOG_FORMAT = "$msec $http_x_semif_state_key $status [$upstream_addr] [$upstream_status]"
+LOG_FORMAT = (
+    "$msec $http_x_semif_state_key $status [$upstream_addr] [$upstream_status] "
+    "$http_x_semif_session"
+)
 
 
 def installed_nginx() -> str | None:
@@ -63,13 +66,14 @@ def nginx_binary() -> str:
 
 @dataclass(frozen=True)
 class Logged:
-    """One access-log line: when nginx finished the request, its state key, its status, and
-    the replicas it tried in order (two when the first failed and nginx moved on)."""
+    """One access-log line: when nginx finished the request, its state key, its status, the
+    replicas it tried in order (two when the first failed and nginx moved on), its session."""
 
     at: float
     state_key: str
     status: int
     upstreams: tuple[str, ...]
+    session: str = ""
 
 
 class Nginx:
@@ -153,9 +157,11 @@ class Nginx:
 def parse_logged(line: str) -> Logged:
     at, key, status, rest = line.split(" ", 3)
     upstreams = rest.split("] [", 1)[0].strip("[]")
+    session = rest.rsplit("] ", 1)[1]
     return Logged(
         float(at),
         "" if key == "-" else key,
         int(status),
         tuple(part.strip() for part in upstreams.split(",") if part.strip() not in ("", "-")),
+        "" if session == "-" else session,
     )

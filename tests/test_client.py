@@ -37,6 +37,7 @@ from semif_serve.client.retry import (
 from semif_serve.client.transport import DeadlineTransport
 from semif_serve.client.wire import attempt_body, prepare
 from semif_serve.runtime.service import MAX_TIMEOUT_S
+from semif_serve.session import SESSION_HEADER
 from semif_serve.state_key import STATE_KEY_HEADER, state_key
 
 MODES = ["sync", "async"]
@@ -557,6 +558,29 @@ def test_requests_carry_the_token_json_and_the_state_key(mode):
     assert request.headers[STATE_KEY_HEADER] == state_key(body["state"])
     sent = {**body, "timeout_s": SHARE}
     assert request.content == json.dumps(sent, ensure_ascii=False).encode("utf-8")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_session_is_sent_in_its_header_instead_of_the_state_key(mode):
+    script = Script(*[httpx.Response(200, json={"results": [], "timing": {}})] * 2)
+    shared = {"state": "log v2", "decisions": [decision("a")]}
+
+    async def both_async(client):
+        await client.decide_shared(shared, session="agent-7")
+        await client.decide(row(state="log v3"), session="agent-7")
+
+    def both(client):
+        client.decide_shared(shared, session="agent-7")
+        client.decide(row(state="log v3"), session="agent-7")
+
+    run(mode, both if mode == "sync" else both_async, transport=script.transport(),
+        **timing(FakeTime(), mode))  # fmt: skip
+    for request in script.requests:  # routed by the session: every version to one replica
+        assert request.headers[SESSION_HEADER] == "agent-7"
+        assert STATE_KEY_HEADER not in request.headers
+    with pytest.raises(ValueError, match="X-Semif-Session: only visible ASCII"):
+        run("sync", lambda c: c.decide(row(), session="two words"), transport=script.transport())
+    assert len(script.requests) == 2  # a bad session is refused before sending
 
 
 def test_a_get_sends_no_body_and_no_state_key():

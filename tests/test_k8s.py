@@ -100,10 +100,12 @@ def test_shutdown_fits_the_graceful_timeout_and_the_pod_is_locked_down(rendered)
         assert container(objects)[probe]["httpGet"]["path"] == "/health"
 
 
-def test_routing_hashes_on_the_state_key_and_scaling_reads_an_exported_metric(rendered):
+def test_routing_hashes_on_the_session_or_state_key_and_scaling_reads_a_metric(rendered):
     _, objects = rendered
     annotations = objects[("Ingress", "semif-serve")]["metadata"]["annotations"]
-    assert annotations["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_semif_state_key"
+    assert annotations["nginx.ingress.kubernetes.io/upstream-hash-by"] == (
+        "$http_x_semif_session$http_x_semif_state_key"
+    )
     (metric,) = objects[("HorizontalPodAutoscaler", "semif-serve")]["spec"]["metrics"]
     name = metric["pods"]["metric"]["name"]
     assert f'"{name}"' in (ROOT / "semif_serve/metrics.py").read_text()

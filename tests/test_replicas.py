@@ -5,7 +5,8 @@ Asserted: every request about one state reaches one replica (>= 99%); over one i
 workload, routing by X-Semif-State-Key gets more state-prefix cache hits than round-robin (each
 state misses once, on its one replica); killing one replica mid-run moves its states to the
 other and loses no request: every call gets its own result, even those the killed replica held
-(nginx re-sends them). Run with `-s` to print the figures quoted in docs/deploy.md.
+(nginx re-sends them); the versions of one session's growing state all reach one replica and
+resume each other's prefills. Run with `-s` to print the figures quoted in docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -145,6 +146,43 @@ def test_one_state_reaches_one_replica_and_beats_round_robin_on_cache_hits(tmp_p
         f"{len({next(iter(c)) for c in served.values()})} replicas used; prefix-cache hit rate "
         f"routed {hits(routed) / len(routed):.2f} vs round-robin {hits(spread) / len(spread):.2f} "
         f"({both}/{STATES} states on both replicas)"
+    )
+
+
+GROWN_VERSIONS = 20
+
+
+def grown_log(version: int) -> dict:
+    """An agent's log after `version` more events: each version appends one to the last."""
+    state = long_state("agent")
+    events = [f"event {n}: the agent checked the tray and logged the result" for n in range(version)]
+    return {**state, "history": state["history"] + events}
+
+
+def test_a_sessions_growing_state_stays_on_one_replica_and_reuses_its_last_version(
+    tmp_path, replicas
+):
+    """20 versions of one growing state, one question each, under one X-Semif-Session: each
+    version's state key differs, the session routes all of them to one replica, and every
+    version after the first resumes the stored prefill of the one before (issue 31)."""
+    with Nginx(tmp_path / "hashed", [server.port for server in replicas]) as router:
+        with client(router) as caller:
+            results = [
+                caller.decide({**request("agent", 0), "state": grown_log(v)}, session="agent-1")
+                for v in range(GROWN_VERSIONS)
+            ]
+        log = router.access(GROWN_VERSIONS)
+    assert {line.session for line in log} == {"agent-1"}
+    assert len({line.upstreams[-1] for line in log}) == 1  # one replica served every version
+    assert results[0]["cached_tokens"] == 0 and not results[0]["cache_hit"]
+    grown = results[1:]
+    assert all(result["cached_tokens"] > 0 and not result["cache_hit"] for result in grown)
+    assert {result["reuse_point"] for result in grown} <= {"end", "crop"}
+    reused = sum(result["cached_tokens"] for result in grown)
+    print(
+        f"\nreplicas: {GROWN_VERSIONS} versions of one session's growing state on one replica; "
+        f"{reused / sum(r['input_tokens'] for r in grown):.2f} of the grown versions' tokens "
+        "resumed from the version before"
     )
 
 

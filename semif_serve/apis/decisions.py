@@ -36,6 +36,7 @@ from semif_serve.apis.mapping import (
     yes_no,
 )
 from semif_serve.errors import InvalidRequest
+from semif_serve.session import parse_session
 
 REQUEST_KEYS = frozenset(
     {
@@ -85,6 +86,7 @@ class Request:
     state: Any
     questions: list[Question]
     routing: dict[str, Any]
+    session: str | None = None  # prompt_cache_key: the partition its state prefixes are kept in
 
 
 def parse(body: dict[str, Any]) -> Request:
@@ -93,9 +95,11 @@ def parse(body: dict[str, Any]) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model: must be a model name string")
-    for key in ("prompt_cache_key", "safety_identifier"):
-        if body.get(key) is not None and not isinstance(body[key], str):
-            raise InvalidRequest(f"{key}: must be a string")
+    if body.get("safety_identifier") is not None and not isinstance(
+        body["safety_identifier"], str
+    ):
+        raise InvalidRequest("safety_identifier: must be a string")
+    session = parse_session(body.get("prompt_cache_key"), "prompt_cache_key")
     _cache_options(body.get("prompt_cache_options"))
     if "input" not in body:
         raise InvalidRequest("input: missing")
@@ -105,7 +109,7 @@ def parse(body: dict[str, Any]) -> Request:
     check_question_count(len(questions))
     parsed = [_question(index, question) for index, question in enumerate(questions)]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
-    return Request(model, rendered_input(body["input"]), parsed, routing)
+    return Request(model, rendered_input(body["input"]), parsed, routing, session)
 
 
 def _cache_options(options: Any) -> None:

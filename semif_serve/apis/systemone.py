@@ -59,6 +59,7 @@ class Request:
     state: Any
     questions: list[Question]
     routing: dict[str, Any]  # passed to the service as it is (`timeout_s`)
+    session: str | None = None  # System One names none: X-Semif-Session only
 
 
 def parse(body: dict[str, Any]) -> Request:

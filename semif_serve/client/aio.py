@@ -66,11 +66,15 @@ class AsyncClient:
     async def models(self) -> ModelList:
         return cast(ModelList, await self._call(prepare("GET", "/v1/models")))
 
-    async def decide(self, request: DecideRequest) -> DecideReply:
-        return cast(DecideReply, await self._call(prepare("POST", "/decide", dict(request))))
+    async def decide(self, request: DecideRequest, session: str | None = None) -> DecideReply:
+        """`session`: the caller's (X-Semif-Session), for a state that grows between calls."""
+        call = prepare("POST", "/decide", dict(request), session)
+        return cast(DecideReply, await self._call(call))
 
-    async def decide_shared(self, request: SharedRequest) -> SharedReply:
-        call = prepare("POST", "/decide/shared", dict(request))
+    async def decide_shared(
+        self, request: SharedRequest, session: str | None = None
+    ) -> SharedReply:
+        call = prepare("POST", "/decide/shared", dict(request), session)
         return cast(SharedReply, await self._call(call))
 
     async def close(self) -> None:

@@ -77,11 +77,14 @@ class Client:
     def models(self) -> ModelList:
         return cast(ModelList, self._call(prepare("GET", "/v1/models")))
 
-    def decide(self, request: DecideRequest) -> DecideReply:
-        return cast(DecideReply, self._call(prepare("POST", "/decide", dict(request))))
+    def decide(self, request: DecideRequest, session: str | None = None) -> DecideReply:
+        """`session`: the caller's (X-Semif-Session), for a state that grows between calls."""
+        call = prepare("POST", "/decide", dict(request), session)
+        return cast(DecideReply, self._call(call))
 
-    def decide_shared(self, request: SharedRequest) -> SharedReply:
-        return cast(SharedReply, self._call(prepare("POST", "/decide/shared", dict(request))))
+    def decide_shared(self, request: SharedRequest, session: str | None = None) -> SharedReply:
+        call = prepare("POST", "/decide/shared", dict(request), session)
+        return cast(SharedReply, self._call(call))
 
     def close(self) -> None:
         self._http.close()

@@ -17,6 +17,7 @@ import httpx
 
 from semif_serve.client.errors import ApiError, ConnectionFailed, InvalidReply
 from semif_serve.client.retry import body_timeout_s, parse_retry_after
+from semif_serve.session import SESSION_HEADER, parse_session
 from semif_serve.state_key import STATE_KEY_HEADER, state_key
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the server's id for the request (http/middleware.py)
@@ -45,15 +46,20 @@ def session_headers(token: str | None) -> dict[str, str]:
     return headers
 
 
-def prepare(method: str, path: str, body: dict[str, Any] | None = None) -> Call:
-    """The call for `body` (sent as JSON); a body with a `state` also sends its
-    X-Semif-State-Key. A body that is not JSON (NaN, a set) raises ValueError or TypeError here,
-    before sending."""
+def prepare(
+    method: str, path: str, body: dict[str, Any] | None = None, session: str | None = None
+) -> Call:
+    """The call for `body` (sent as JSON). With a `session` it sends X-Semif-Session (routers
+    hash on it: every version of a growing state reaches one replica), else a body with a
+    `state` sends its X-Semif-State-Key. A body that is not JSON (NaN, a set) or a bad session
+    raises ValueError or TypeError here, before sending."""
     if body is None:
         return Call(method, path)
     to_json(body)
     headers = {"Content-Type": "application/json"}
-    if "state" in body:
+    if session is not None:
+        headers[SESSION_HEADER] = parse_session(session)
+    elif "state" in body:
         headers[STATE_KEY_HEADER] = state_key(body["state"])
     return Call(method, path, dict(body), headers)
 

@@ -20,6 +20,7 @@ from semif_serve.http.body import read_json_object
 from semif_serve.metrics import CONTENT_TYPE, Metrics
 from semif_serve.runtime.service import DecisionService, Outcome
 from semif_serve.scoring.rows import InvalidRow, parse_state
+from semif_serve.session import SESSION_HEADER, parse_session
 from semif_serve.sockets import CLIENT_GONE_KEY
 from semif_serve.state_key import state_key
 
@@ -128,16 +129,25 @@ def accepted_state_key(body: dict) -> str | None:
         return None
 
 
+def session_of(req: falcon.Request) -> str | None:
+    """The session the caller named in X-Semif-Session (None: none); a bad one is a 422."""
+    return parse_session(req.get_header(SESSION_HEADER))
+
+
 class Decide(_Scoring):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        session = session_of(req)
         body = self._body(req)
-        self._reply(req, resp, self._service.decide(body, req.env.get(CLIENT_GONE_KEY)))
+        outcome = self._service.decide(body, req.env.get(CLIENT_GONE_KEY), session)
+        self._reply(req, resp, outcome)
 
 
 class DecideShared(_Scoring):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        session = session_of(req)
         body = self._body(req)
-        self._reply(req, resp, self._service.decide_shared(body, req.env.get(CLIENT_GONE_KEY)))
+        outcome = self._service.decide_shared(body, req.env.get(CLIENT_GONE_KEY), session)
+        self._reply(req, resp, outcome)
 
 
 class MetricsPage:

@@ -14,7 +14,7 @@ with its traceback, or 503 `out_of_memory`), and any failure while building the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from semif_serve.decisions import (
@@ -98,10 +98,17 @@ class DecisionService:
             "workloads": dict(settings.calibration),
         }
 
-    def decide(self, body: dict[str, Any], client_gone: ClientCheck | None = None) -> Outcome:
+    def decide(
+        self,
+        body: dict[str, Any],
+        client_gone: ClientCheck | None = None,
+        session: str | None = None,
+    ) -> Outcome:
+        """/decide. `session`: the caller's (`semif_serve.session`), whose stored state
+        prefixes the call may reuse and add to."""
         _check_keys(body, DECIDE_KEYS, "body")
         workload = self._workload(body)
-        decision = _decision(body, "")
+        decision = _decision(body, "", session)
         _check_workload_without_orderings(workload, [decision])
         route = _routing(body)
         if decision.mode == "none":
@@ -116,8 +123,12 @@ class DecisionService:
         )
 
     def decide_shared(
-        self, body: dict[str, Any], client_gone: ClientCheck | None = None
+        self,
+        body: dict[str, Any],
+        client_gone: ClientCheck | None = None,
+        session: str | None = None,
     ) -> Outcome:
+        """/decide/shared (and the ecosystem routes' calls); `session` as for `decide`."""
         _check_keys(body, SHARED_KEYS, "body")
         workload = self._workload(body)
         if "state" not in body:
@@ -134,7 +145,7 @@ class DecisionService:
             if not isinstance(entry, dict):
                 raise InvalidRequest(f"decisions[{index}]: must be an object")
             _check_keys(entry, DECISION_KEYS, where)
-            decisions.append(_decision({**entry, "state": body["state"]}, where))
+            decisions.append(_decision({**entry, "state": body["state"]}, where, session))
         _check_workload_without_orderings(workload, decisions)
         self._check_row_count(decisions)
         _check_unique_ids(decisions)
@@ -220,8 +231,9 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str], where: str) -> No
         )
 
 
-def _decision(body: dict[str, Any], where: str) -> _Decision:
-    """Validate one decision and expand it into its rows (one, or one per ordering)."""
+def _decision(body: dict[str, Any], where: str, session: str | None = None) -> _Decision:
+    """Validate one decision and expand it into its rows (one, or one per ordering), each in
+    the caller's `session`."""
     mode = body.get("orderings", "none")
     if mode not in ORDERINGS:
         raise InvalidRequest(
@@ -229,7 +241,7 @@ def _decision(body: dict[str, Any], where: str) -> _Decision:
         )
     fields = {key: body[key] for key in ROW_KEYS if key in body}
     try:
-        row = parse_row(fields)
+        row = replace(parse_row(fields), cache_key=session)
     except InvalidRow as error:
         message = str(error)
         # The shared state is one field of the request, not of each decision.

@@ -30,6 +30,7 @@ from semif_serve.scoring.direct import score as score_direct
 from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import Batched, DirectInput, Forward, SharedInput
 from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.prefill import result_reuse
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import RowError
@@ -142,7 +143,7 @@ def _padded(
         letters = letter_logits(model, rows, [item.prompt for item in items])
     forward_seconds = perf_counter() - started
     results = [
-        _direct_result(scoring_model, item, row_letters, forward_seconds, False)
+        _direct_result(scoring_model, item, row_letters, forward_seconds, result_reuse(None))
         for item, row_letters in zip(items, letters)
     ]
     return results, shape
@@ -179,7 +180,7 @@ def _over_prefix(
     )
     forward_seconds = perf_counter() - started
     results = [
-        _direct_result(scoring_model, item, row_letters, forward_seconds, timing["cache_hit"])
+        _direct_result(scoring_model, item, row_letters, forward_seconds, result_reuse(timing))
         for item, row_letters in zip(items, logits)
     ]
     return results, timing
@@ -190,9 +191,10 @@ def _direct_result(
     item: DirectInput,
     letter_logits: torch.Tensor,
     forward_seconds: float,
-    cache_hit: bool,
+    reuse: dict[str, Any],
 ) -> dict[str, Any]:
-    """The result the direct scorer gives `item`, from letter logits read in a batch."""
+    """The result the direct scorer gives `item`, from letter logits read in a batch (`reuse`:
+    its forward's `prefill.result_reuse`)."""
     return build_result(
         item.row,
         item.prompt,
@@ -201,7 +203,4 @@ def _direct_result(
         model=scoring_model.info.as_dict(),
         forward_seconds=forward_seconds,
         total_seconds=item.encode_seconds + forward_seconds,
-    ) | {
-        "cache_hit": cache_hit,
-        "prefix_sha256": state_prefix_sha256(item.row, item.prompt.text),
-    }
+    ) | reuse | {"prefix_sha256": state_prefix_sha256(item.row, item.prompt.text)}

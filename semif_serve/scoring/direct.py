@@ -14,6 +14,7 @@ import torch
 from semif_serve.scoring import shared
 from semif_serve.scoring.inputs import DirectInput, direct_input
 from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.prefill import result_reuse
 from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import Row
@@ -48,13 +49,13 @@ def score(
     if prefix_ids is not None and prefix_cache is not None and prefix_cache.caches(len(prefix_ids)):
         cache = prefix_cache.within(parsed.cache_key)
         logits, timing = shared.forward(model, prefix_ids, [prompt], buckets, cache)
-        letter_logits, cache_hit = logits[0], timing["cache_hit"]
+        letter_logits, reuse = logits[0], result_reuse(timing)
     else:
         letter_ids = torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=model.device)
         with torch.inference_mode():
             logits = last_logits(model, prompt.ids, buckets)
             letter_logits = logits.float().index_select(0, letter_ids).cpu()
-        cache_hit = False
+        reuse = result_reuse(None)
     forward_seconds = perf_counter() - forward_started
 
     return build_result(
@@ -65,7 +66,7 @@ def score(
         model=scoring_model.info.as_dict(),
         forward_seconds=forward_seconds,
         total_seconds=perf_counter() - started,
-    ) | {"cache_hit": cache_hit, "prefix_sha256": shared.state_prefix_sha256(parsed, prompt.text)}
+    ) | reuse | {"prefix_sha256": shared.state_prefix_sha256(parsed, prompt.text)}
 
 
 def _row(row: Row | dict | DirectInput) -> Row | dict:

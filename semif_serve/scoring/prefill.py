@@ -49,6 +49,14 @@ def reuse_timing(reuse: Reuse) -> dict[str, Any]:
     }
 
 
+def result_reuse(timing: dict[str, Any] | None) -> dict[str, Any]:
+    """A direct result's reuse fields, from its forward's `timing` (None: it ran no prefix):
+    `cache_hit`, `cached_tokens` and `reuse_point` as `reuse_timing` gave them."""
+    if timing is None:
+        timing = reuse_timing(Reuse())
+    return {key: timing[key] for key in ("cache_hit", "cached_tokens", "reuse_point")}
+
+
 def prefill(
     base_model: Any,
     config: Any,
