@@ -39,7 +39,7 @@ def use(cache: PrefixCache, ids: list[int], tokens: int = 4, model=MODEL) -> boo
 
 def stored(cache: PrefixCache) -> list[tuple]:
     """The stored keys' ids, least recently used first."""
-    return [ids for _, ids in cache._entries]
+    return [key[-1] for key in cache._entries]
 
 
 def counts(

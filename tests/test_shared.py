@@ -92,7 +92,8 @@ def test_results_carry_every_upstream_key(tiny_qwen):
     rows = make_rows(3, [2, 4])
     direct = score(tiny_qwen, rows[1], max_tokens=4096)
     shared, timing = score_shared(tiny_qwen, rows, max_tokens=4096)
-    assert set(direct) == RESULT_KEYS
+    assert set(direct) == RESULT_KEYS | {"cached_tokens", "reuse_point"}  # shared: in timing
+    assert (direct["cached_tokens"], direct["reuse_point"]) == (0, None)
     assert set(shared[1]) == RESULT_KEYS
     assert set(timing) == TIMING_KEYS
     assert direct["prompt_version"] == "direct-options-v1"
