@@ -18,9 +18,9 @@ SESSION_HEADER = "X-Semif-Session"
 MAX_SESSION_LENGTH = 1024
 
 
-def parse_session(value: object, where: str = SESSION_HEADER) -> str | None:
-    """`value` as a session (None: none named); InvalidRequest naming `where` otherwise. The
-    header's value is visible ASCII; a body's `prompt_cache_key` may be any text."""
+def parse_session(value: object, where: str = SESSION_HEADER, *, header: bool = True) -> str | None:
+    """`value` as a session (None: none named); InvalidRequest naming `where` otherwise. A
+    header's value is visible ASCII; a body's (`prompt_cache_key`, header=False) any text."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -29,6 +29,6 @@ def parse_session(value: object, where: str = SESSION_HEADER) -> str | None:
         raise InvalidRequest(
             f"{where}: must be 1 to {MAX_SESSION_LENGTH} characters, got {len(value)}"
         )
-    if where == SESSION_HEADER and any(not 33 <= ord(char) <= 126 for char in value):
+    if header and any(not 33 <= ord(char) <= 126 for char in value):
         raise InvalidRequest(f"{where}: only visible ASCII characters (33-126) are allowed")
     return value

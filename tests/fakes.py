@@ -7,6 +7,7 @@ position bias and check that order averaging cancels it.
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 from semif_serve.config import Settings
@@ -18,7 +19,10 @@ from semif_serve.server import build_runtime
 
 TOKEN = "t" * 40
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-WAIT_S = 10  # every wait in a test is bounded by this
+# Every wait in a test is bounded by this. mutation/run lowers it (SEMIF_TEST_WAIT_S=3): a mutant
+# that breaks a hand-off is killed when the wait runs out, and each such mutant's run lasted the
+# whole bound, the longest part of a mutation run; a hand-off that works takes milliseconds.
+WAIT_S = float(os.environ.get("SEMIF_TEST_WAIT_S", "10"))
 
 
 def softmax(values):

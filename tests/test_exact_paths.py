@@ -18,6 +18,7 @@ against the whole model for every class it accepts, and the refusal of any other
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -37,7 +38,12 @@ from transformers import LlamaForCausalLM
 from semif_serve.loading import ModelLoadError, load_model
 from semif_serve.scoring import ModelInfo, ScoringModel, parse_row, score, score_shared
 from semif_serve.scoring.coalesced import score_batch
-from semif_serve.scoring.head import POST_PROCESSING, UnsupportedModel, letter_logits
+from semif_serve.scoring.head import (
+    POST_PROCESSING,
+    UnsupportedModel,
+    check_supported,
+    letter_logits,
+)
 from semif_serve.scoring.inputs import direct_input, shared_input
 from semif_serve.scoring.packed import forward_packed
 from semif_serve.scoring.prefix_cache import PrefixCache
@@ -216,6 +222,24 @@ def test_a_model_of_any_other_class_is_refused_when_it_is_wrapped(build, named):
     with pytest.raises(UnsupportedModel, match=named + r"is not supported") as refused:
         ScoringModel(build(), byte_tokenizer(), INFO)
     assert "CohereForCausalLM" in str(refused.value)  # what is supported, named
+
+
+class Gemma3ForCausalLM:
+    """A supported class's name, from a transformers that has no such class."""
+
+
+def test_a_supported_name_that_transformers_lacks_is_refused_naming_what_is_supported(
+    monkeypatch,
+):
+    monkeypatch.setitem(sys.modules, "transformers", SimpleNamespace())  # an older transformers
+    with pytest.raises(UnsupportedModel) as refused:
+        check_supported(Gemma3ForCausalLM())
+    assert str(refused.value) == (
+        f"{Gemma3ForCausalLM.__module__}.Gemma3ForCausalLM is not supported: semif-serve "
+        "reproduces the final logits (logit scaling, soft-capping) of these transformers "
+        f"classes only: {', '.join(POST_PROCESSING)}; this class's forward may change its "
+        "logits in a way that its batched, shared and cached scoring would not reproduce"
+    )
 
 
 def test_a_refused_class_is_refused_when_it_is_loaded(tmp_path):

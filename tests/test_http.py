@@ -9,6 +9,7 @@ from falcon import testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from semif_serve.errors import OutOfMemory
+from semif_serve.http.resources import non_finite_message, non_finite_paths
 from semif_serve.runtime.service import SEMIF_COMMIT
 from semif_serve.scoring.prompt import PromptRejected
 from semif_serve.scoring.rows import RowError
@@ -365,7 +366,18 @@ def test_a_non_finite_score_is_a_500_envelope_saying_so(caplog):
         "the model produced non-finite scores (NaN or infinity at probabilities[0], "
         "probabilities[1]); its weights may be corrupt"
     )
-    assert "non-finite scores at probabilities[0], probabilities[1]" in caplog.text
+    assert [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()] == [
+        "the model produced non-finite scores at probabilities[0], probabilities[1]: replied 500"
+    ]
+
+
+def test_non_finite_places_are_named_in_document_order_and_past_four_counted():
+    assert non_finite_paths(float("-inf")) == ["the reply"]  # a bare number has no path
+    places = [f"p[{index}]" for index in range(6)]
+    assert non_finite_message(places) == (
+        "the model produced non-finite scores (NaN or infinity at p[0], p[1], p[2], p[3] and 2 "
+        "more); its weights may be corrupt"
+    )
 
 
 def test_a_reply_that_cannot_encode_as_utf_8_is_a_500_envelope_logged_and_counted_as_500(caplog):

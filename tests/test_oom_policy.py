@@ -126,9 +126,7 @@ def drops_logged(caplog):
 
 
 @pytest.mark.parametrize("method", ["score", "score_shared"])
-def test_an_oom_drops_only_what_covers_the_shortfall_and_retries_without_the_cache(
-    caplog, method
-):
+def test_an_oom_drops_only_what_covers_the_shortfall_and_retries_without_the_cache(caplog, method):
     cache = FakeModelCache(stored=100 * MIB, entry=10 * MIB)
     made, call = scorer(cache), Calls(1)
     with caplog.at_level(logging.WARNING):
@@ -248,3 +246,10 @@ def test_a_warm_up_out_of_memory_on_the_cpu_empties_no_device_cache():
 
     assert ran_out_of_memory(call, fake) == "DefaultCPUAllocator: can't allocate memory"
     assert fake.cuda.empty_cache_calls == []
+
+
+def test_a_warm_up_out_of_memory_with_a_torch_that_has_no_cuda_module_is_its_message():
+    def call():
+        raise MemoryError("no room")
+
+    assert ran_out_of_memory(call, SimpleNamespace()) == "no room"

@@ -273,3 +273,36 @@ def test_a_models_view_stores_and_finds_within_its_session():
     held = cache.stats(MODEL)["bytes"]
     assert held > 0 and view.close() == held  # every session's entries go with the model
     assert cache._entries == {} and cache._trees == {}
+
+
+def test_checkpoint_bytes_count_the_tensors_a_layer_has_and_skip_the_ones_it_lacks():
+    torch = pytest.importorskip("torch")
+    states = [{"conv": {"a": torch.zeros(4), "b": None}}, {"recurrent": {"c": torch.zeros(2, 2)}}]
+    assert checkpoint_bytes(states) == 8 * 4
+
+
+def test_checkpoint_stops_at_every_token_when_every_is_one():
+    assert checkpoint_stops(0, 6, 1, {}) == {
+        1: CHECKPOINT,
+        2: CHECKPOINT,
+        3: CHECKPOINT,
+        4: BOUNDARY,
+        5: CHECKPOINT,
+    }
+
+
+def test_a_hybrid_start_before_the_first_checkpoint_is_a_miss_even_at_one_token_minimum():
+    """Nothing short of a checkpoint can resume a hybrid entry: not even its first token."""
+    cache = PrefixCache(1 << 20, min_tokens=1, checkpoint_tokens=64)
+    run(cache, STATE, linear=True)
+    reuse, calls = run(cache, STATE[:63] + [999] * 20, linear=True)
+    assert (reuse.tokens, reuse.point) == (0, None) and calls[0][0] == 0
+
+
+def test_a_model_views_marks_reach_the_store_as_checkpoints():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    prefill = token_prefill(STATE, linear=True)
+    with cache.for_model(MODEL).resume(STATE, prefill, {150: "breakpoint"}) as (resumed, _):
+        assert read_ids(resumed) == STATE
+    (entry,) = cache._entries.values()
+    assert entry.checkpoints[150][0] == "breakpoint"

@@ -81,6 +81,7 @@ def test_at_least_leaves_out_short_shared_starts():
     assert tree.matches([1, 2, 3], at_least=4) == []
     assert tree.matches([1, 2], at_least=1) == [("a", 2)]  # b shares less than the longest
     assert tree.matches([1, 5, 6], at_least=1) == [("b", 2)]
+    assert sorted(tree.matches([1, 9])) == [("a", 1), ("b", 1)]  # by default one token is enough
 
 
 def test_removing_a_sequence_forgets_it_and_keeps_the_others():

@@ -355,13 +355,13 @@ def test_a_manager_waits_for_a_load_whose_requester_left():
 
 def test_the_device_is_taken_in_arrival_order_and_again_by_its_holder():
     device, order = DeviceQueue(), []
-    device.take()
-    device.take()  # the holder again (the engine's own lock inside the runtime's turn)
+    assert device.take() is False  # free: no wait
+    assert device.take() is False  # the holder again (the engine's own lock inside its turn)
     waiters = []
     for name in "abc":
 
         def turn(name=name):
-            device.take()
+            assert device.take() is True  # it had to wait
             order.append(name)
             device.give()
 
@@ -384,7 +384,7 @@ def test_a_device_waiter_leaves_at_its_deadline_or_when_its_caller_goes():
     with pytest.raises(WaiterGone):
         Background(lambda: device.take(gone=lambda: True)).result()
     assert device.waiting == 0
-    with pytest.raises(RuntimeError, match="not this thread's"):
+    with pytest.raises(RuntimeError, match="^the device turn is not this thread's$"):
         Background(device.give).result()
     device.give()
     with device:

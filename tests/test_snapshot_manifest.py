@@ -257,3 +257,13 @@ def test_without_converting_an_older_snapshot_counts_as_not_converted(tmp_path, 
 
 def test_the_manifest_module_is_what_the_builtin_marker_names():
     assert builtin.SNAPSHOT_MARKER == snapshot_manifest.MARKER == "semif-snapshot-complete"
+
+
+def test_a_hash_mismatch_shows_the_first_16_hex_digits_of_each_digest(tmp_path):
+    manifest = written(tmp_path)
+    flip_byte(tmp_path / "config.json", 3)
+    now = hashlib.sha256((tmp_path / "config.json").read_bytes()).hexdigest()
+    was = manifest["files"]["config.json"]["sha256"]
+    assert problems(tmp_path, manifest) == [
+        f"config.json has sha256 {now[:16]}..., not {was[:16]}..."
+    ]

@@ -95,11 +95,9 @@ def parse(body: dict[str, Any]) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model: must be a model name string")
-    if body.get("safety_identifier") is not None and not isinstance(
-        body["safety_identifier"], str
-    ):
+    if body.get("safety_identifier") is not None and not isinstance(body["safety_identifier"], str):
         raise InvalidRequest("safety_identifier: must be a string")
-    session = parse_session(body.get("prompt_cache_key"), "prompt_cache_key")
+    session = parse_session(body.get("prompt_cache_key"), "prompt_cache_key", header=False)
     _cache_options(body.get("prompt_cache_options"))
     if "input" not in body:
         raise InvalidRequest("input: missing")
@@ -248,9 +246,7 @@ def _instructions(value: Any, where: str) -> str:
         raise InvalidRequest(f"{where}: must not be empty")
     allowed = frozenset({"input_text", "input_image", "input_json"})
     parts = [_part(part, f"{where}[{index}]", allowed) for index, part in enumerate(value)]
-    return instructions_text(
-        "\n".join(content_text(part, where) for part in parts), where
-    )
+    return instructions_text("\n".join(content_text(part, where) for part in parts), where)
 
 
 def _choices(choices: Any, where: str) -> tuple[tuple[Any, ...], tuple[str, ...]]:

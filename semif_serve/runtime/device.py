@@ -19,7 +19,7 @@ from semif_serve.runtime.waiting import NEVER, Deadline, Gone, wait_until
 class DeviceQueue:
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queue: deque[object] = deque()
+        self._queue: deque[int] = deque()  # waiting threads' ids, first come first
         self._owner: int | None = None  # the thread whose turn it is
         self._depth = 0  # how many times it took its turn
 
@@ -35,18 +35,17 @@ class DeviceQueue:
             if self._owner is None and not self._queue:
                 self._owner, self._depth = me, 1
                 return False
-            ticket = object()
-            self._queue.append(ticket)
+            self._queue.append(me)  # a thread waits for one turn at a time: its id is its ticket
             try:
                 wait_until(
                     self._cond,
-                    lambda: self._queue[0] is ticket and self._owner is None,
+                    lambda: self._queue[0] == me and self._owner is None,
                     deadline,
                     gone,
                     "the device (another model's call held it)",
                 )
             except BaseException:
-                self._queue.remove(ticket)
+                self._queue.remove(me)
                 self._cond.notify_all()  # the waiter behind may now be at the head
                 raise
             self._queue.popleft()

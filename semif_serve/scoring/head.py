@@ -98,7 +98,7 @@ def letter_logits(
     counts = [len(prompt.letter_token_ids) for prompt in prompts]
     widest = max(counts)
     padded = [ids + [0] * (widest - len(ids)) for ids in (p.letter_token_ids for p in prompts)]
-    letters = torch.tensor(padded, dtype=torch.long, device=hidden.device)
+    letters = hidden.new_tensor(padded, dtype=torch.long)  # on hidden's device
     gathered = model.get_output_embeddings()(hidden).gather(1, letters)
     final = POST_PROCESSING[type(model).__name__](model, gathered).float().cpu()
     return [final[row, :count] for row, count in enumerate(counts)]

@@ -298,12 +298,13 @@ class PrefixCache:
         model = space[0]
         with self._lock:
             tree = self._trees.get(space)
-            best: _Found | None = None
-            for key, shared in tree.matches(ids, self.min_tokens) if tree else ():
-                entry = self._entries[key]
-                tokens, point, states = resume_point(entry, shared)
-                if tokens >= self.min_tokens and (best is None or tokens > best.tokens):
-                    best = _Found(entry, shared, tokens, point, states)
+            matched = tree.matches(ids, self.min_tokens) if tree else []
+            found = [
+                _Found(self._entries[key], shared, *resume_point(self._entries[key], shared))
+                for key, shared in matched
+            ]
+            usable = [one for one in found if one.tokens >= self.min_tokens]
+            best = max(usable, key=lambda one: one.tokens, default=None)  # the first of a tie
             if best is None:
                 self._count(model, "misses")
                 return None
