@@ -306,3 +306,14 @@ def test_a_model_views_marks_reach_the_store_as_checkpoints():
         assert read_ids(resumed) == STATE
     (entry,) = cache._entries.values()
     assert entry.checkpoints[150][0] == "breakpoint"
+
+
+def test_the_match_that_resumes_most_tokens_wins_over_a_stored_start_of_the_ids():
+    """A hybrid B whose checkpoint at 128 lies inside the common start beats A, a start of the
+    ids, whose end is at 100: the walk lists A first."""
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
+    run(cache, STATE[:150] + [999] * 10, linear=True)  # B
+    run(cache, STATE[:100], linear=True)  # A: resumed from B's checkpoint at 64, stored beside it
+    assert len(cache._entries) == 2
+    reuse, calls = run(cache, STATE, linear=True)
+    assert (reuse.tokens, reuse.point) == (128, CHECKPOINT) and calls[0][0] == 128

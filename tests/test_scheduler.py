@@ -30,7 +30,7 @@ from semif_serve.runtime.jobs import Job
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.selection import Cost
 from semif_serve.runtime.service import DecisionService
-from semif_serve.runtime.waiting import QueueTimeout, WaiterGone, deadline_after
+from semif_serve.runtime.waiting import NEVER, Deadline, QueueTimeout, WaiterGone, deadline_after
 from semif_serve.scoring import parse_row
 from semif_serve.scoring.inputs import Batched
 
@@ -516,3 +516,8 @@ def test_a_leased_request_queued_behind_a_reconfigure_is_encoded_again_by_the_ne
     second.release.set()
     assert behind.result().body["id"] == "behind"
     assert [call[0] for call in second.calls] == ["score"]
+
+
+def test_a_deadline_counts_from_the_given_now():
+    assert deadline_after(5, now=100.0) == Deadline(105.0, 5)
+    assert deadline_after(0, now=100.0) is NEVER

@@ -206,3 +206,17 @@ def test_build_engine_warms_every_shape_when_buckets_are_on(monkeypatch, qwen_to
     assert {("suffix", rows, length) for rows, length in shapes.suffixes} <= recorder.seen
     assert {rows for _, rows, _ in recorder.seen} == {1, 2, 4}  # 3 rows pad to 4
     assert engine.baseline_reserved == 3 * GIB and engine.max_parallel_slots >= 1
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "max_rows", "longest"),
+    [
+        (200, 1, 199),  # one row: its own suffix only
+        (200, 2, 512),  # several rows: a packed row of up to PACKED_CHUNK_TOKENS
+        (200, 3, 512),
+        (514, 2, 513),  # a suffix longer than a packed chunk: one row of it
+    ],
+)
+def test_a_packed_plans_suffixes_reach_the_longest_packed_row(max_tokens, max_rows, longest):
+    shapes = plan(TABLE, max_tokens=max_tokens, max_rows=max_rows, packed=True)
+    assert shapes.suffixes == [(1, length) for length in TABLE.lengths(longest)]
