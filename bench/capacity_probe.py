@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import make_workload  # noqa: E402
 
 import semif_serve  # noqa: E402,F401
-from semif_serve.loading import load_model  # noqa: E402
+from semif_serve.engine.loading import load_model  # noqa: E402
 from semif_serve.scoring import score_shared  # noqa: E402
 from semif_serve.scoring import shared as shared_module  # noqa: E402
 

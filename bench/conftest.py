@@ -22,7 +22,7 @@ import semif_serve  # noqa: E402,F401
 @pytest.fixture(scope="session")
 def bench_model(tmp_path_factory):
     if FULL:
-        from semif_serve.loading import load_model
+        from semif_serve.engine.loading import load_model
 
         return load_model("builtin:smollm2-135m")
     from tiny_models import byte_tokenizer, tiny_llama

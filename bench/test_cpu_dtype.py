@@ -49,7 +49,7 @@ def in_bfloat16(scoring_model: ScoringModel) -> ScoringModel:
     """The model in bfloat16: in full runs loaded as `SEMIF_DTYPE=bfloat16` loads it, else the
     same weights rounded."""
     if FULL:
-        from semif_serve.loading import load_model
+        from semif_serve.engine.loading import load_model
 
         return load_model(scoring_model.info.source, dtype="bfloat16")
     model = copy.deepcopy(scoring_model.model).to(torch.bfloat16).eval()
@@ -237,7 +237,7 @@ def child_measurement(tokens: int, rounds: int) -> dict:
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     torch.set_num_threads(1)
     if FULL:
-        from semif_serve.loading import load_model
+        from semif_serve.engine.loading import load_model
 
         exact = load_model("builtin:smollm2-135m")
     else:

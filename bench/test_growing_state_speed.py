@@ -21,9 +21,9 @@ from benchlib import FULL, report, spread
 from test_prefix_cache_speed import UNBOUNDED, worst_difference
 from test_shared_speed import measured
 
+from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.scoring import parse_row
 from semif_serve.scoring.prefix_cache import PrefixCache
-from semif_serve.torch_scorer import TorchScorer
 
 MAX_TOKENS = 8192
 TOLERANCE = 1e-5

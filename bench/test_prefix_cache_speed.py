@@ -19,10 +19,10 @@ from benchlib import FULL, report, sampled_peak, spread
 from test_shared_speed import measured
 from workloads import make_workload
 
+from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.scoring import parse_row
 from semif_serve.scoring.prefix_cache import PrefixCache
 from semif_serve.scoring.shared_prompts import encode_with_prefix
-from semif_serve.torch_scorer import TorchScorer
 
 MAX_TOKENS = 8192
 TOLERANCE = 1e-5

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import semif_serve  # noqa: F401  (forces the hub offline before torch or transformers load)
-from semif_serve import kernel_cache
+from semif_serve.engine import kernel_cache
 
 EXIT_USAGE = 2
 
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from semif_serve.builtin import BuiltinModelError
-    from semif_serve.loading import ModelLoadError, load_model
+    from semif_serve.engine.builtin import BuiltinModelError
+    from semif_serve.engine.loading import ModelLoadError, load_model
     from semif_serve.score_file import BatchInputError, output_file, read_rows, score_file
     from semif_serve.scoring import score, score_shared
 

@@ -92,7 +92,7 @@ class Settings:
     # SEMIF_MODEL_ALIASES: names the ecosystem routes accept for a registered model (jev-latest)
     model_aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # SEMIF_STATE_DIR: where management changes are kept for the next worker (None: a private
-    # folder for this server's run only; semif_serve/management_state.py)
+    # folder for this server's run only; semif_serve/runtime/management_state.py)
     state_dir: Path | None = None
 
     @classmethod

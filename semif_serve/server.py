@@ -4,12 +4,12 @@ The model loads in the worker, not the master, so CUDA is never initialised befo
 a load or warm-up failure makes gunicorn stop with "Worker failed to boot" (fail closed).
 Threads: one per admitted request (SEMIF_MAX_QUEUE) plus spares, so /health and 429 replies are
 answered while admitted requests wait for the engine; request heads are read without a thread
-(semif_serve/worker.py). gthread's heartbeat comes from the worker's main loop, so a long scorer
+(semif_serve/worker/). gthread's heartbeat comes from the worker's main loop, so a long scorer
 call never trips gunicorn's timeout. SIGTERM stops accepting at once and lets in-flight requests
 finish within SEMIF_GRACEFUL_TIMEOUT_S; when some were cut off, `run` exits with EXIT_CUT_OFF.
 
 Management changes (PUT, unload) that succeed are written to the management state
-(semif_serve/management_state.py) in SEMIF_STATE_DIR, or in a private folder for this run; a
+(semif_serve/runtime/management_state.py) in SEMIF_STATE_DIR, or in a private folder for this run; a
 worker replays it once its startup models have loaded, so one that gunicorn respawns serves what
 the operator last set. The master notes how each worker ended (`_Arbiter`), and a worker whose
 predecessor died (a signal, or a non-zero exit status) says so in one line with the replay.
@@ -33,16 +33,16 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 from gunicorn.arbiter import Arbiter
 
-from semif_serve import native_memory
 from semif_serve.config import Settings, check_alias_targets
-from semif_serve.management_state import (
+from semif_serve.engine import native_memory
+from semif_serve.runtime.management_state import (
     STATE_FILE,
     ManagementState,
     configuration_key,
     own_folder,
 )
 from semif_serve.runtime.registry import Runtime
-from semif_serve.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, ServingLimits
+from semif_serve.worker.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, ServingLimits
 
 __all__ = ["EXIT_CUT_OFF", "GUNICORN_ERROR_CODES", "gunicorn_options", "run"]
 
@@ -67,14 +67,14 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
     return {
         "bind": settings.bind,
         "workers": 1,
-        "worker_class": "semif_serve.worker.SemifWorker",
+        "worker_class": "semif_serve.worker.worker.SemifWorker",
         "threads": settings.max_queue + SPARE_THREADS,
         "worker_connections": settings.max_connections,
         "timeout": WORKER_HEARTBEAT_TIMEOUT_S,
         "graceful_timeout": settings.graceful_timeout_s + MASTER_GRACE_MARGIN_S,
         "post_fork": lambda arbiter, worker: forked(arbiter, worker, limits),
         "keepalive": 5,
-        "sendfile": False,  # the worker's event loop sends every reply (semif_serve/worker.py)
+        "sendfile": False,  # the worker's event loop sends every reply (semif_serve/worker/)
         "preload_app": False,
         "accesslog": None,  # semif_serve.access logs one JSON line per request instead
         "errorlog": "-",
@@ -228,7 +228,7 @@ def build_runtime(
     Without SEMIF_PARALLEL_SLOTS every engine shares one device queue (INV-2: a fair FIFO
     lock whose waits keep each request's deadline); every engine shares one state-prefix cache
     of SEMIF_PREFIX_CACHE_GIB."""
-    from semif_serve.boot import build_engine, check_source
+    from semif_serve.engine.boot import build_engine, check_source
     from semif_serve.runtime.device import DeviceQueue
     from semif_serve.runtime.specs import default_spec, load_models_file
     from semif_serve.scoring.prefix_cache import GIB, PrefixCache

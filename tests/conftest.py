@@ -13,7 +13,7 @@ import pytest
 from tiny_models import qwen35_tokenizer, tiny_qwen35
 
 import semif_serve  # noqa: F401  (offline before torch/transformers load)
-from semif_serve.loading import load_model
+from semif_serve.engine.loading import load_model
 from semif_serve.scoring import ModelInfo, ScoringModel
 
 # Under a mutant, a test that runs this long has hung (the slowest grid test takes ~7 s on a quiet

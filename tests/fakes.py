@@ -11,7 +11,7 @@ import os
 import threading
 
 from semif_serve.config import Settings
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
 from semif_serve.http import create_app
 from semif_serve.runtime.service import DecisionService
 from semif_serve.scoring.result import PROBABILITY_STATUS, READOUTS

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from fakes import WAIT_S, FakeScorer, settings
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.specs import ModelSpec
 

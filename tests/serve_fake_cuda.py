@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from fake_torch import GIB, FakeCuda  # noqa: E402
 
-from semif_serve import cli, loading  # noqa: E402
+from semif_serve import cli  # noqa: E402
+from semif_serve.engine import loading  # noqa: E402
 
 CALLS = Path(os.environ["SEMIF_TEST_CONTROL"]) / "cuda-calls.jsonl"
 

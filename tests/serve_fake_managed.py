@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakes import FakeScorer  # noqa: E402
 
 from semif_serve.config import Settings  # noqa: E402
-from semif_serve.engine import Engine  # noqa: E402
+from semif_serve.engine.engine import Engine  # noqa: E402
 from semif_serve.server import run  # noqa: E402
 
 CONTROL = Path(os.environ["SEMIF_TEST_CONTROL"])

@@ -1,6 +1,6 @@
 """A real gunicorn semif-serve whose model's weights hold 4 KB of 0xFF (tests/test_startup_checks.py).
 
-The production app and engine (semif_serve/boot.py build_engine: load, warm-up, baseline) over the
+The production app and engine (semif_serve/engine/boot.py build_engine: load, warm-up, baseline) over the
 tiny random Llama and the byte tokenizer, as loaded from a folder whose weights a disk error or a
 bad copy overwrote. `poisoned` is also what the in-process tests load.
 """
@@ -37,8 +37,8 @@ def poisoned(source: str, token_ids: list[int] | None = None) -> ScoringModel:
 
 
 if __name__ == "__main__":
-    from semif_serve.boot import build_engine
     from semif_serve.config import Settings
+    from semif_serve.engine.boot import build_engine
     from semif_serve.server import run
 
     settings = Settings.from_env()

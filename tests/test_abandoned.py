@@ -11,7 +11,7 @@ from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_app, row
 from falcon import testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from semif_serve.sockets import CLIENT_GONE_KEY
+from semif_serve.http.environ import CLIENT_GONE_KEY
 
 
 def abandoned_total(api) -> float:

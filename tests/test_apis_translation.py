@@ -33,10 +33,10 @@ from semif_serve.errors import (
     ServerBusy,
     Unauthorized,
 )
+from semif_serve.http.environ import CLIENT_GONE_KEY
 from semif_serve.http.errors import classify, openai_fields
 from semif_serve.runtime.admission import InFlightLimit
 from semif_serve.scoring.result import PROBABILITY_STATUS
-from semif_serve.sockets import CLIENT_GONE_KEY
 
 IMAGE_REFUSED = "images are not supported: this server runs a text-only model"
 OVER_16 = (
@@ -117,11 +117,16 @@ def test_content_is_a_string_as_it_is_or_json_in_insertion_order_with_non_ascii_
     assert mapping.content_text(content, "w") == text
 
 
-@pytest.mark.parametrize(("value", "name"), [(5, "number"), (2.5, "number"), (True, "boolean"), (None, "null")])
+@pytest.mark.parametrize(
+    ("value", "name"), [(5, "number"), (2.5, "number"), (True, "boolean"), (None, "null")]
+)
 def test_content_of_another_type_is_refused_naming_it(value, name):
     with pytest.raises(InvalidRequest) as raised:
         mapping.content_text(value, "questions.a.criteria.x")
-    assert str(raised.value) == f"questions.a.criteria.x: must be a string, object or array, got {name}"
+    assert (
+        str(raised.value)
+        == f"questions.a.criteria.x: must be a string, object or array, got {name}"
+    )
 
 
 def test_content_holding_nan_is_never_rendered():
@@ -140,7 +145,15 @@ def test_content_nested_too_deeply_is_refused():
 
 @pytest.mark.parametrize(
     ("content", "text"),
-    [(None, "fallback"), ("", "fallback"), (" ", " "), ({}, "{}"), ([], "[]"), ("0", "0"), ({"a": 1}, '{"a": 1}')],
+    [
+        (None, "fallback"),
+        ("", "fallback"),
+        (" ", " "),
+        ({}, "{}"),
+        ([], "[]"),
+        ("0", "0"),
+        ({"a": 1}, '{"a": 1}'),
+    ],
 )
 def test_a_description_falls_back_only_when_null_or_empty(content, text):
     assert mapping.described(content, "fallback", "w") == text
@@ -150,7 +163,10 @@ def test_a_description_falls_back_only_when_null_or_empty(content, text):
 def test_a_falsy_description_of_another_type_is_refused_not_replaced(content, name):
     with pytest.raises(InvalidRequest) as raised:
         mapping.described(content, "fallback", "questions.a.criteria.x")
-    assert str(raised.value) == f"questions.a.criteria.x: must be a string, object or array, got {name}"
+    assert (
+        str(raised.value)
+        == f"questions.a.criteria.x: must be a string, object or array, got {name}"
+    )
 
 
 def test_instructions_missing_null_or_blank_are_refused():
@@ -198,7 +214,9 @@ def test_a_yes_no_question_is_true_then_false_with_the_default_descriptions():
     assert mapping.yes_no("questions.a", "Q?") == Mapped(
         "questions.a", "Q?", (YES, NO), ("criteria.true", "criteria.false")
     )
-    assert mapping.yes_no("w", "Q?", "Y", "N", ("i", "i")) == Mapped("w", "Q?", ("Y", "N"), ("i", "i"))
+    assert mapping.yes_no("w", "Q?", "Y", "N", ("i", "i")) == Mapped(
+        "w", "Q?", ("Y", "N"), ("i", "i")
+    )
 
 
 @pytest.mark.parametrize(
@@ -231,7 +249,17 @@ def test_the_score_is_the_probability_weighted_level_and_top_the_first_peak():
 
 @pytest.mark.parametrize(
     ("value", "name"),
-    [({}, "object"), ([], "array"), ("", "string"), (False, "boolean"), (None, "null"), (0, "number"), (0.5, "number"), (b"", "value"), (object(), "value")],
+    [
+        ({}, "object"),
+        ([], "array"),
+        ("", "string"),
+        (False, "boolean"),
+        (None, "null"),
+        (0, "number"),
+        (0.5, "number"),
+        (b"", "value"),
+        (object(), "value"),
+    ],
 )
 def test_type_names_are_json_s(value, name):
     assert mapping.type_name(value) == name
@@ -342,7 +370,10 @@ def test_scored_counts_the_state_once_and_reads_the_cache_from_the_first_call():
 
 
 def test_answered_runs_each_call_and_names_a_refusal_by_its_question_in_that_call():
-    three = [*QUESTIONS, Mapped("questions.c", "Q3", ("p", "q"), ("criteria.true", "criteria.false"))]
+    three = [
+        *QUESTIONS,
+        Mapped("questions.c", "Q3", ("p", "q"), ("criteria.true", "criteria.false")),
+    ]
     sent = []
 
     def decide_shared(body):
@@ -379,18 +410,58 @@ def test_answered_runs_each_call_and_names_a_refusal_by_its_question_in_that_cal
 @pytest.mark.parametrize(
     ("message", "state_field", "renamed"),
     [
-        ("decisions[1].options[0].description: must be a nonempty string", "state", "questions.b.levels[0]: must be a nonempty string"),
-        ("decisions[0].options[1].description: must be a nonempty string", "input", "questions.a.criteria.angry: must be a nonempty string"),
-        ("decisions[0].options[1]: must be an object", "state", "questions.a.criteria.angry: must be an object"),
+        (
+            "decisions[1].options[0].description: must be a nonempty string",
+            "state",
+            "questions.b.levels[0]: must be a nonempty string",
+        ),
+        (
+            "decisions[0].options[1].description: must be a nonempty string",
+            "input",
+            "questions.a.criteria.angry: must be a nonempty string",
+        ),
+        (
+            "decisions[0].options[1]: must be an object",
+            "state",
+            "questions.a.criteria.angry: must be an object",
+        ),
         ("decisions[1].options[2].id: duplicate", "state", "questions.b.levels[2]: duplicate"),
-        ("decisions[1].options[3].description: x", "state", "questions.b.options[3].description: x"),
-        ("decisions[1] (row 'q1'): max_tokens: the prompt has 5000 tokens", "state", "questions.b: max_tokens: the prompt has 5000 tokens"),
-        ("decisions[0] (row 'q0'): letter guard: letters share a token", "input", "questions.a: letter guard: letters share a token"),
-        ("decisions[0].question: must be a nonempty string", "state", "questions.a.instructions: must be a nonempty string"),
-        ("decisions[1].orderings: must be one of none", "state", "questions.b.orderings: must be one of none"),
+        (
+            "decisions[1].options[3].description: x",
+            "state",
+            "questions.b.options[3].description: x",
+        ),
+        (
+            "decisions[1] (row 'q1'): max_tokens: the prompt has 5000 tokens",
+            "state",
+            "questions.b: max_tokens: the prompt has 5000 tokens",
+        ),
+        (
+            "decisions[0] (row 'q0'): letter guard: letters share a token",
+            "input",
+            "questions.a: letter guard: letters share a token",
+        ),
+        (
+            "decisions[0].question: must be a nonempty string",
+            "state",
+            "questions.a.instructions: must be a nonempty string",
+        ),
+        (
+            "decisions[1].orderings: must be one of none",
+            "state",
+            "questions.b.orderings: must be one of none",
+        ),
         ("decisions[0]: must be an object", "state", "questions.a: must be an object"),
-        ("state: must be a nonempty string, object or array", "input", "input: must be a nonempty string, object or array"),
-        ("state: nested deeper than 32 levels (at state.a)", "input", "input: nested deeper than 32 levels (at state.a)"),
+        (
+            "state: must be a nonempty string, object or array",
+            "input",
+            "input: must be a nonempty string, object or array",
+        ),
+        (
+            "state: nested deeper than 32 levels (at state.a)",
+            "input",
+            "input: nested deeper than 32 levels (at state.a)",
+        ),
     ],
 )
 def test_located_names_the_question_s_own_fields(message, state_field, renamed):
@@ -447,7 +518,12 @@ def systemone_row():
     from semif_serve.scoring.rows import parse_row
 
     return parse_row(
-        {"id": "q0", "state": "s", "question": "q", "options": [{"id": "o0", "description": "a"}, {"id": "o1", "description": "b"}]}
+        {
+            "id": "q0",
+            "state": "s",
+            "question": "q",
+            "options": [{"id": "o0", "description": "a"}, {"id": "o1", "description": "b"}],
+        }
     )
 
 
@@ -474,12 +550,16 @@ def parsed_s1(question):
     ],
 )
 def test_noul_is_true_then_false_a_described_side_replacing_its_default(criteria, descriptions):
-    question = noul("Is it urgent?") if criteria == "absent" else noul("Is it urgent?", criteria=criteria)
+    question = (
+        noul("Is it urgent?") if criteria == "absent" else noul("Is it urgent?", criteria=criteria)
+    )
     assert parsed_s1(question) == systemone.Question(
         "urgency",
         "noul",
         (),
-        Mapped("questions.urgency", "Is it urgent?", descriptions, ("criteria.true", "criteria.false")),
+        Mapped(
+            "questions.urgency", "Is it urgent?", descriptions, ("criteria.true", "criteria.false")
+        ),
     )
 
 
@@ -507,7 +587,11 @@ def test_choice_is_its_criteria_in_key_order_an_empty_description_being_the_name
 
 
 def test_score_is_one_option_per_level_in_order_with_the_level_texts():
-    question = {"type": "score", "instructions": "How urgent?", "criteria": ["Can wait", {"when": "today"}, "Now"]}
+    question = {
+        "type": "score",
+        "instructions": "How urgent?",
+        "criteria": ["Can wait", {"when": "today"}, "Now"],
+    }
     assert parsed_s1(question) == systemone.Question(
         "urgency",
         "score",
@@ -525,7 +609,10 @@ def test_score_is_one_option_per_level_in_order_with_the_level_texts():
     ("instructions", "text"),
     [
         ("  Is it urgent?\n", "  Is it urgent?\n"),
-        ({"ask": "Urgent?", "lang": "de", "ß": [1, None]}, '{"ask": "Urgent?", "lang": "de", "ß": [1, null]}'),
+        (
+            {"ask": "Urgent?", "lang": "de", "ß": [1, None]},
+            '{"ask": "Urgent?", "lang": "de", "ß": [1, null]}',
+        ),
         (["Urgent?", {"scale": "0-2"}], '["Urgent?", {"scale": "0-2"}]'),
     ],
 )
@@ -542,9 +629,17 @@ def test_the_request_keeps_its_model_state_order_and_timeout():
         "assets": None,
     }
     request = systemone.parse(body)
-    assert (request.model, request.state, request.routing) == ("jev-latest", {"b": 1, "a": "x"}, {"timeout_s": 2.5})
+    assert (request.model, request.state, request.routing) == (
+        "jev-latest",
+        {"b": 1, "a": "x"},
+        {"timeout_s": 2.5},
+    )
     assert [q.name for q in request.questions] == ["z", "a", "m"]
-    assert [q.mapped.where for q in request.questions] == ["questions.z", "questions.a", "questions.m"]
+    assert [q.mapped.where for q in request.questions] == [
+        "questions.z",
+        "questions.a",
+        "questions.m",
+    ]
     plain = systemone.parse({"state": "S", "questions": {"q": noul()}})
     assert (plain.model, plain.state, plain.routing) == (None, "S", {})
 
@@ -552,8 +647,13 @@ def test_the_request_keeps_its_model_state_order_and_timeout():
 def test_16_options_are_scored_and_2_too():
     names = {f"c{k}": None for k in range(16)}
     assert len(parsed_s1({"type": "choice", "instructions": "q", "criteria": names}).labels) == 16
-    assert len(parsed_s1({"type": "score", "instructions": "q", "criteria": ["a"] * 16}).labels) == 16
-    assert parsed_s1({"type": "score", "instructions": "q", "criteria": ["lo", "hi"]}).labels == ("lo", "hi")
+    assert (
+        len(parsed_s1({"type": "score", "instructions": "q", "criteria": ["a"] * 16}).labels) == 16
+    )
+    assert parsed_s1({"type": "score", "instructions": "q", "criteria": ["lo", "hi"]}).labels == (
+        "lo",
+        "hi",
+    )
 
 
 def test_system_one_rows_reach_the_scorer_as_one_shared_call():
@@ -561,8 +661,16 @@ def test_system_one_rows_reach_the_scorer_as_one_shared_call():
         "state": {"ticket": "Printer jams", "by": "Ana Müller"},
         "questions": {
             "billing": noul("Is this about billing?"),
-            "tone": {"type": "choice", "instructions": {"ask": "Tone?"}, "criteria": {"calm": None, "angry": "An upset message"}},
-            "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["Can wait", {"when": "today"}, "Now"]},
+            "tone": {
+                "type": "choice",
+                "instructions": {"ask": "Tone?"},
+                "criteria": {"calm": None, "angry": "An upset message"},
+            },
+            "urgency": {
+                "type": "score",
+                "instructions": "How urgent?",
+                "criteria": ["Can wait", {"when": "today"}, "Now"],
+            },
         },
     }
     response, scorer = post("/v1/systemone", body)
@@ -572,7 +680,12 @@ def test_system_one_rows_reach_the_scorer_as_one_shared_call():
     assert [shown(row) for row in rows(scorer)] == [
         ("q0", state, "Is this about billing?", [("o0", YES), ("o1", NO)]),
         ("q1", state, '{"ask": "Tone?"}', [("o0", "calm"), ("o1", "An upset message")]),
-        ("q2", state, "How urgent?", [("o0", "Can wait"), ("o1", '{"when": "today"}'), ("o2", "Now")]),
+        (
+            "q2",
+            state,
+            "How urgent?",
+            [("o0", "Can wait"), ("o1", '{"when": "today"}'), ("o2", "Now")],
+        ),
     ]
     assert list(response.json["answers"]) == ["billing", "tone", "urgency"]
 
@@ -589,52 +702,121 @@ def score(criteria, instructions="How urgent?"):
 
 
 SYSTEM_ONE_REFUSED = [
-    ({**s1(noul()), "extra": 1}, "body: unknown keys ['extra']; allowed: assets, model, questions, state, timeout_s"),
+    (
+        {**s1(noul()), "extra": 1},
+        "body: unknown keys ['extra']; allowed: assets, model, questions, state, timeout_s",
+    ),
     (s1(noul(), assets=[{"type": "image"}]), f"assets: {IMAGE_REFUSED}"),
     (s1(noul(), assets=[]), f"assets: {IMAGE_REFUSED}"),
     (s1(noul(), assets={}), f"assets: {IMAGE_REFUSED}"),
     (s1(noul(), assets=""), f"assets: {IMAGE_REFUSED}"),
     (s1({"type": 5, "instructions": "q"}), "questions.a.type: must be a string, got number"),
     (s1({"type": ["noul"], "instructions": "q"}), "questions.a.type: must be a string, got array"),
-    (s1({"type": None, "instructions": "q"}), "questions.a.type: missing; this server answers noul, choice and score"),
+    (
+        s1({"type": None, "instructions": "q"}),
+        "questions.a.type: missing; this server answers noul, choice and score",
+    ),
     ({"questions": {"a": noul()}}, "state: missing"),
     (s1(noul(), model=5), "model: must be a model name string"),
     ({"state": "s", "questions": [noul()]}, "questions: must be an object {name: question}"),
     ({"state": "s"}, "questions: must be an object {name: question}"),
     ({"state": "s", "questions": {}}, "questions: must hold 1..400 questions, got 0"),
-    ({"state": "s", "questions": {f"q{k}": noul() for k in range(401)}}, "questions: must hold 1..400 questions, got 401"),
+    (
+        {"state": "s", "questions": {f"q{k}": noul() for k in range(401)}},
+        "questions: must hold 1..400 questions, got 401",
+    ),
     (s1("Is it?"), "questions.a: must be an object with a type"),
-    (s1({"type": "box", "instructions": "Find the cat"}), "questions.a: box questions locate things in images, which needs a vision model; this server runs a text-only model"),
-    (s1({"instructions": "q"}), "questions.a.type: missing; this server answers noul, choice and score"),
-    (s1({"type": "rank", "instructions": "q"}), "questions.a.type: unknown question type 'rank'; this server answers noul, choice and score"),
-    (s1({"type": "NOUL", "instructions": "q"}), "questions.a.type: unknown question type 'NOUL'; this server answers noul, choice and score"),
-    (s1(noul(weight=1)), "questions.a: unknown keys ['weight']; allowed: criteria, instructions, type"),
-    (s1(noul(), choice({"x": None, "y": None}) | {"levels": []}), "questions.b: unknown keys ['levels']; allowed: criteria, instructions, type"),
-    ({"state": "s", "questions": {"urgency": noul(criteria={"true": "a", "maybe": "b"})}}, "questions.urgency.criteria: unknown keys ['maybe']; allowed: false, true"),
+    (
+        s1({"type": "box", "instructions": "Find the cat"}),
+        "questions.a: box questions locate things in images, which needs a vision model; this server runs a text-only model",
+    ),
+    (
+        s1({"instructions": "q"}),
+        "questions.a.type: missing; this server answers noul, choice and score",
+    ),
+    (
+        s1({"type": "rank", "instructions": "q"}),
+        "questions.a.type: unknown question type 'rank'; this server answers noul, choice and score",
+    ),
+    (
+        s1({"type": "NOUL", "instructions": "q"}),
+        "questions.a.type: unknown question type 'NOUL'; this server answers noul, choice and score",
+    ),
+    (
+        s1(noul(weight=1)),
+        "questions.a: unknown keys ['weight']; allowed: criteria, instructions, type",
+    ),
+    (
+        s1(noul(), choice({"x": None, "y": None}) | {"levels": []}),
+        "questions.b: unknown keys ['levels']; allowed: criteria, instructions, type",
+    ),
+    (
+        {"state": "s", "questions": {"urgency": noul(criteria={"true": "a", "maybe": "b"})}},
+        "questions.urgency.criteria: unknown keys ['maybe']; allowed: false, true",
+    ),
     (s1(noul(criteria="yes")), "questions.a.criteria: must be an object, got string"),
-    (s1(noul(criteria={"true": 5})), "questions.a.criteria.true: must be a string, object or array, got number"),
-    (s1(noul(criteria={"false": True})), "questions.a.criteria.false: must be a string, object or array, got boolean"),
-    (s1(noul(criteria={"true": 0})), "questions.a.criteria.true: must be a string, object or array, got number"),
-    (s1(noul(criteria={"true": "T", "false": False})), "questions.a.criteria.false: must be a string, object or array, got boolean"),
-    (s1(choice({"calm": 0, "angry": None})), "questions.a.criteria.calm: must be a string, object or array, got number"),
-    (s1(choice({"calm": None, "angry": False})), "questions.a.criteria.angry: must be a string, object or array, got boolean"),
-    (s1({"type": "noul", "criteria": {"true": "Yes"}}), "questions.a.instructions: missing; every question needs instructions"),
+    (
+        s1(noul(criteria={"true": 5})),
+        "questions.a.criteria.true: must be a string, object or array, got number",
+    ),
+    (
+        s1(noul(criteria={"false": True})),
+        "questions.a.criteria.false: must be a string, object or array, got boolean",
+    ),
+    (
+        s1(noul(criteria={"true": 0})),
+        "questions.a.criteria.true: must be a string, object or array, got number",
+    ),
+    (
+        s1(noul(criteria={"true": "T", "false": False})),
+        "questions.a.criteria.false: must be a string, object or array, got boolean",
+    ),
+    (
+        s1(choice({"calm": 0, "angry": None})),
+        "questions.a.criteria.calm: must be a string, object or array, got number",
+    ),
+    (
+        s1(choice({"calm": None, "angry": False})),
+        "questions.a.criteria.angry: must be a string, object or array, got boolean",
+    ),
+    (
+        s1({"type": "noul", "criteria": {"true": "Yes"}}),
+        "questions.a.instructions: missing; every question needs instructions",
+    ),
     (s1(noul(None)), "questions.a.instructions: missing; every question needs instructions"),
     (s1(noul("")), "questions.a.instructions: must not be empty"),
     (s1(noul(" \n")), "questions.a.instructions: must not be empty"),
     (s1(noul(7)), "questions.a.instructions: must be a string, object or array, got number"),
     (s1(choice(["calm", "angry"])), "questions.a.criteria: must be an object {name: description}"),
-    (s1({"type": "choice", "instructions": "q"}), "questions.a.criteria: must be an object {name: description}"),
+    (
+        s1({"type": "choice", "instructions": "q"}),
+        "questions.a.criteria: must be an object {name: description}",
+    ),
     (s1(choice({"calm": None})), "questions.a.criteria: needs at least 2 choices, got 1"),
-    (s1(choice({"calm": None, "angry": 5})), "questions.a.criteria.angry: must be a string, object or array, got number"),
+    (
+        s1(choice({"calm": None, "angry": 5})),
+        "questions.a.criteria.angry: must be a string, object or array, got number",
+    ),
     (s1(score({"0": "low"})), "questions.a.criteria: must be an array of levels, from score 0 up"),
-    (s1({"type": "score", "instructions": "q"}), "questions.a.criteria: must be an array of levels, from score 0 up"),
+    (
+        s1({"type": "score", "instructions": "q"}),
+        "questions.a.criteria: must be an array of levels, from score 0 up",
+    ),
     (s1(score(["only"])), "questions.a.criteria: needs at least 2 levels, got 1"),
-    (s1(score(["low", None])), "questions.a.criteria[1]: must be a string, object or array, got null"),
+    (
+        s1(score(["low", None])),
+        "questions.a.criteria[1]: must be a string, object or array, got null",
+    ),
 ]
 SYSTEM_ONE_UNSUPPORTED = [
-    (s1(choice({f"c{k}": None for k in range(17)})), OVER_16.format(where="questions.a.criteria", noun="choices")),
-    (s1(noul(), score([f"l{k}" for k in range(17)])), OVER_16.format(where="questions.b.criteria", noun="levels")),
+    (
+        s1(choice({f"c{k}": None for k in range(17)})),
+        OVER_16.format(where="questions.a.criteria", noun="choices"),
+    ),
+    (
+        s1(noul(), score([f"l{k}" for k in range(17)])),
+        OVER_16.format(where="questions.b.criteria", noun="levels"),
+    ),
 ]
 
 
@@ -663,16 +845,34 @@ def test_over_16_options_is_option_count_unsupported_never_truncated(body, messa
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        (b'{"state": "s", "questions": {"a": {"type": "noul", "instructions": "q"}, "a": {"type": "noul", "instructions": "r"}}}', 'body: the key "a" appears twice in one object'),
-        (b'{"state": "s", "questions": {"t": {"type": "choice", "instructions": "q", "criteria": {"calm": null, "angry": "x", "calm": "y"}}}}', 'body: the key "calm" appears twice in one object'),
-        (b'{"state": {"k": 1, "k": 2}, "questions": {"a": {"type": "noul", "instructions": "q"}}}', 'body: the key "k" appears twice in one object'),
+        (
+            b'{"state": "s", "questions": {"a": {"type": "noul", "instructions": "q"}, "a": {"type": "noul", "instructions": "r"}}}',
+            'body: the key "a" appears twice in one object',
+        ),
+        (
+            b'{"state": "s", "questions": {"t": {"type": "choice", "instructions": "q", "criteria": {"calm": null, "angry": "x", "calm": "y"}}}}',
+            'body: the key "calm" appears twice in one object',
+        ),
+        (
+            b'{"state": {"k": 1, "k": 2}, "questions": {"a": {"type": "noul", "instructions": "q"}}}',
+            'body: the key "k" appears twice in one object',
+        ),
     ],
 )
 def test_duplicate_names_are_refused_never_silently_merged(body, message):
     client, scorer = api()
-    response = client.simulate_post("/v1/systemone", body=body, headers={**AUTH, "Content-Type": "application/json"})
+    response = client.simulate_post(
+        "/v1/systemone", body=body, headers={**AUTH, "Content-Type": "application/json"}
+    )
     assert response.status_code == 422
-    assert response.json == {"error": {"code": "invalid_request", "message": message, "type": "invalid_request_error", "param": None}}
+    assert response.json == {
+        "error": {
+            "code": "invalid_request",
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+        }
+    }
     assert scorer.calls == []
 
 
@@ -680,12 +880,24 @@ def test_duplicate_names_are_refused_never_silently_merged(body, message):
     ("body", "message"),
     [
         (s1(choice({"  ": None, "b": None})), "questions.a.criteria.  : must be a nonempty string"),
-        (s1(noul(), choice({"calm": "   ", "angry": None})), "questions.b.criteria.calm: must be a nonempty string"),
+        (
+            s1(noul(), choice({"calm": "   ", "angry": None})),
+            "questions.b.criteria.calm: must be a nonempty string",
+        ),
         (s1(noul(criteria={"true": " "})), "questions.a.criteria.true: must be a nonempty string"),
-        (s1(noul(criteria={"false": "\t"})), "questions.a.criteria.false: must be a nonempty string"),
+        (
+            s1(noul(criteria={"false": "\t"})),
+            "questions.a.criteria.false: must be a nonempty string",
+        ),
         (s1(score(["low", ""])), "questions.a.criteria[1]: must be a nonempty string"),
-        ({"state": "", "questions": {"a": noul()}}, "state: must be a nonempty string, object or array"),
-        ({"state": {}, "questions": {"a": noul()}}, "state: must be a nonempty string, object or array"),
+        (
+            {"state": "", "questions": {"a": noul()}},
+            "state: must be a nonempty string, object or array",
+        ),
+        (
+            {"state": {}, "questions": {"a": noul()}},
+            "state: must be a nonempty string, object or array",
+        ),
         (s1(noul(), timeout_s=0), "timeout_s: must be a number of seconds, 0 < timeout_s <= 86400"),
     ],
 )
@@ -696,11 +908,15 @@ def test_a_service_refusal_is_renamed_onto_the_question(body, message):
     assert scorer.calls == []
 
 
-@pytest.mark.parametrize("content_type", ["multipart/form-data; boundary=x", "Multipart/Form-Data; boundary=x"])
+@pytest.mark.parametrize(
+    "content_type", ["multipart/form-data; boundary=x", "Multipart/Form-Data; boundary=x"]
+)
 def test_image_assets_sent_as_multipart_are_a_422(content_type):
     client, scorer = api()
     body = b'--x\r\nContent-Disposition: form-data; name="request"\r\n\r\n{}\r\n--x--\r\n'
-    response = client.simulate_post("/v1/systemone", body=body, headers={**AUTH, "Content-Type": content_type})
+    response = client.simulate_post(
+        "/v1/systemone", body=body, headers={**AUTH, "Content-Type": content_type}
+    )
     assert response.status_code == 422
     assert response.json == refusal(None, f"assets: {IMAGE_REFUSED}")
     assert scorer.calls == []
@@ -711,14 +927,25 @@ def test_a_multipart_body_in_an_unknown_coding_is_a_415_first():
     response = client.simulate_post(
         "/v1/systemone",
         body=b"--x--",
-        headers={**AUTH, "Content-Type": "multipart/form-data; boundary=x", "Content-Encoding": "br"},
+        headers={
+            **AUTH,
+            "Content-Type": "multipart/form-data; boundary=x",
+            "Content-Encoding": "br",
+        },
     )
     assert response.status_code == 415
-    assert response.json["error"]["message"] == "Content-Encoding: 'br' is not supported; send identity, gzip or zstd"
+    assert (
+        response.json["error"]["message"]
+        == "Content-Encoding: 'br' is not supported; send identity, gzip or zstd"
+    )
     response = client.simulate_post(
         "/v1/systemone",
         body=b"--x--",
-        headers={**AUTH, "Content-Type": "multipart/form-data; boundary=x", "Content-Encoding": "GZIP"},
+        headers={
+            **AUTH,
+            "Content-Type": "multipart/form-data; boundary=x",
+            "Content-Encoding": "GZIP",
+        },
     )
     assert response.status_code == 422  # a coding it decodes: the assets refusal
     assert scorer.calls == []
@@ -727,7 +954,9 @@ def test_a_multipart_body_in_an_unknown_coding_is_a_415_first():
 def test_a_multipart_body_is_still_bounded_by_the_limit():
     client, _ = api(max_body_bytes=100)
     response = client.simulate_post(
-        "/v1/systemone", body=b"x" * 101, headers={**AUTH, "Content-Type": "multipart/form-data; boundary=x"}
+        "/v1/systemone",
+        body=b"x" * 101,
+        headers={**AUTH, "Content-Type": "multipart/form-data; boundary=x"},
     )
     assert response.status_code == 413
     assert response.json["error"]["message"] == "the body declares 101 bytes, over the limit of 100"
@@ -737,7 +966,12 @@ def test_a_multipart_body_is_still_bounded_by_the_limit():
 
 ITEMS = [
     {"role": "system", "content": "Be brief."},
-    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "dev"}], "id": "m0"},
+    {
+        "type": "message",
+        "role": "developer",
+        "content": [{"type": "input_text", "text": "dev"}],
+        "id": "m0",
+    },
     {
         "role": "user",
         "content": [
@@ -748,14 +982,46 @@ ITEMS = [
         "phase": "x",
     },
     {"role": "user", "content": [{"type": "input_json", "data": [{"row": 1}, {"row": 2}]}]},
-    {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}, {"type": "refusal", "refusal": "no"}], "id": "m1", "status": "completed"},
+    {
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "ok"}, {"type": "refusal", "refusal": "no"}],
+        "id": "m1",
+        "status": "completed",
+    },
     {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
-    {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"id": 7}', "id": "fc1", "status": "completed"},
-    {"type": "function_call_output", "call_id": "c1", "output": "42", "id": "o1", "status": "completed"},
-    {"type": "custom_tool_call", "call_id": "c2", "name": "grep", "input": "", "namespace": "tools"},
-    {"type": "custom_tool_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+    {
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "lookup",
+        "arguments": '{"id": 7}',
+        "id": "fc1",
+        "status": "completed",
+    },
+    {
+        "type": "function_call_output",
+        "call_id": "c1",
+        "output": "42",
+        "id": "o1",
+        "status": "completed",
+    },
+    {
+        "type": "custom_tool_call",
+        "call_id": "c2",
+        "name": "grep",
+        "input": "",
+        "namespace": "tools",
+    },
+    {
+        "type": "custom_tool_call_output",
+        "call_id": "c2",
+        "output": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+    },
     {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "", "namespace": 7},
-    {"type": "function_call_output", "call_id": "c3", "output": [{"type": "input_text", "text": "only"}]},
+    {
+        "type": "function_call_output",
+        "call_id": "c3",
+        "output": [{"type": "input_text", "text": "only"}],
+    },
     {"type": "function_call_output", "call_id": "c1", "output": "again"},  # a second output of c1
 ]
 RENDERED = (
@@ -801,7 +1067,10 @@ def parsed_od(question, index=0):
 
 def test_a_predicate_is_the_yes_no_mapping():
     assert parsed_od(dq(name="open")) == decisions.Question(
-        "open", "predicate", (), Mapped("questions[0]", "Is it open?", (YES, NO), ("instructions", "instructions"))
+        "open",
+        "predicate",
+        (),
+        Mapped("questions[0]", "Is it open?", (YES, NO), ("instructions", "instructions")),
     )
     assert parsed_od(dq(), 2).name is None
     assert parsed_od(dq(), 2).mapped.where == "questions[2]"
@@ -830,12 +1099,22 @@ def test_choices_are_described_by_their_description_else_their_value_s_text():
 
 
 def test_score_levels_are_label_colon_description_or_the_label():
-    levels = [{"label": "low", "description": "barely"}, {"label": "mid"}, {"label": "high", "description": ""}, {"label": " top ", "description": None}]
+    levels = [
+        {"label": "low", "description": "barely"},
+        {"label": "mid"},
+        {"label": "high", "description": ""},
+        {"label": " top ", "description": None},
+    ]
     assert parsed_od(dq("score", "How much?", levels=levels)) == decisions.Question(
         None,
         "score",
         ("low", "mid", "high", " top "),
-        Mapped("questions[0]", "How much?", ("low: barely", "mid", "high", " top "), tuple(f"levels[{k}]" for k in range(4))),
+        Mapped(
+            "questions[0]",
+            "How much?",
+            ("low: barely", "mid", "high", " top "),
+            tuple(f"levels[{k}]" for k in range(4)),
+        ),
     )
 
 
@@ -844,8 +1123,22 @@ def test_score_levels_are_label_colon_description_or_the_label():
     [
         ("Is it?", "Is it?"),
         ([{"type": "input_text", "text": "Only"}], "Only"),
-        ([{"type": "input_text", "text": "Is"}, {"type": "input_json", "data": [1, {"é": 2}]}], 'Is\n[1, {"é": 2}]'),
-        ([{"type": "input_text", "text": "A", "prompt_cache_breakpoint": {"mode": "explicit"}}, {"type": "input_text", "text": ""}, {"type": "input_text", "text": "B"}], "A\n\nB"),
+        (
+            [{"type": "input_text", "text": "Is"}, {"type": "input_json", "data": [1, {"é": 2}]}],
+            'Is\n[1, {"é": 2}]',
+        ),
+        (
+            [
+                {
+                    "type": "input_text",
+                    "text": "A",
+                    "prompt_cache_breakpoint": {"mode": "explicit"},
+                },
+                {"type": "input_text", "text": ""},
+                {"type": "input_text", "text": "B"},
+            ],
+            "A\n\nB",
+        ),
         ({"ask": "Open?"}, '{"ask": "Open?"}'),
     ],
 )
@@ -857,7 +1150,9 @@ def test_instructions_parts_nested_too_deeply_are_refused_naming_them():
     deep: list = []
     for _ in range(100_000):
         deep = [deep]
-    question = dq(instructions=[{"type": "input_text", "text": "q"}, {"type": "input_json", "data": deep}])
+    question = dq(
+        instructions=[{"type": "input_text", "text": "q"}, {"type": "input_json", "data": deep}]
+    )
     with pytest.raises(InvalidRequest) as raised:
         decisions.parse(od(dq(), question))
     assert str(raised.value) == "questions[1].instructions: nested too deeply"
@@ -883,13 +1178,25 @@ def test_the_decisions_request_keeps_model_cache_fields_and_timeout():
 
 BAD_IMAGE = {"type": "input_image", "image_url": "https://example.com/cat.png"}
 DECISIONS_REFUSED = [
-    (od(dq(), extra=1), "body: unknown keys ['extra']; allowed: input, model, prompt_cache_key, prompt_cache_options, questions, safety_identifier, timeout_s"),
+    (
+        od(dq(), extra=1),
+        "body: unknown keys ['extra']; allowed: input, model, prompt_cache_key, prompt_cache_options, questions, safety_identifier, timeout_s",
+    ),
     (od(dq(), model=["m"]), "model: must be a model name string"),
     (od(dq(), prompt_cache_key=5), "prompt_cache_key: must be a string"),
     (od(dq(), safety_identifier=[]), "safety_identifier: must be a string"),
-    (od(dq(), prompt_cache_options="explicit"), "prompt_cache_options: must be an object, got string"),
-    (od(dq(), prompt_cache_options={"scope": 1}), "prompt_cache_options: unknown keys ['scope']; allowed: mode, ttl"),
-    (od(dq(), prompt_cache_options={"mode": "always"}), "prompt_cache_options.mode: must be implicit or explicit"),
+    (
+        od(dq(), prompt_cache_options="explicit"),
+        "prompt_cache_options: must be an object, got string",
+    ),
+    (
+        od(dq(), prompt_cache_options={"scope": 1}),
+        "prompt_cache_options: unknown keys ['scope']; allowed: mode, ttl",
+    ),
+    (
+        od(dq(), prompt_cache_options={"mode": "always"}),
+        "prompt_cache_options.mode: must be implicit or explicit",
+    ),
     (od(dq(), prompt_cache_options={"ttl": "1h"}), "prompt_cache_options.ttl: must be 30m"),
     ({"questions": [dq()]}, "input: missing"),
     ({"input": "s", "questions": {"a": dq()}}, "questions: must be an array of questions"),
@@ -897,99 +1204,473 @@ DECISIONS_REFUSED = [
     (od(), "questions: must hold 1..400 questions, got 0"),
     (od(*[dq()] * 401), "questions: must hold 1..400 questions, got 401"),
     (od("Is it?"), "questions[0]: must be an object with a type"),
-    (od(dq(), {"instructions": "q"}), "questions[1].type: missing; this server answers predicate, choice and score"),
-    (od(dq("noul")), "questions[0].type: unknown question type 'noul'; this server answers predicate, choice and score"),
+    (
+        od(dq(), {"instructions": "q"}),
+        "questions[1].type: missing; this server answers predicate, choice and score",
+    ),
+    (
+        od(dq("noul")),
+        "questions[0].type: unknown question type 'noul'; this server answers predicate, choice and score",
+    ),
     (od(dq({"kind": "choice"})), "questions[0].type: must be a string, got object"),
     (od(dq(), dq(True)), "questions[1].type: must be a string, got boolean"),
     (od(dq(None)), "questions[0].type: missing; this server answers predicate, choice and score"),
-    (od(dq(), input=[{"type": 5, "role": "user", "content": "x"}]), "input[0].type: must be a string, got number"),
-    (od(dq(), input=[{"type": None, "role": "user", "content": "x"}]), "input[0].type: must be a string, got null"),
-    (od(dq(), input=[{"type": ["message"], "role": "user", "content": "x"}]), "input[0].type: must be a string, got array"),
-    (od(dq(), input=[{"role": ["user"], "content": "x"}]), "input[0].role: must be one of user, developer, system, assistant, got ['user']"),
-    (od(dq(), input=[{"role": {"user": 1}, "content": "x"}]), "input[0].role: must be one of user, developer, system, assistant, got {'user': 1}"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]), "input[0].content[0]: must be a part of type input_image, input_json, input_text, got ['input_text']"),
-    (od(dq(instructions=[{"type": {"t": 1}, "text": "x"}])), "questions[0].instructions[0]: must be a part of type input_image, input_json, input_text, got {'t': 1}"),
-    (od(dq(choices=CHOICES2)), "questions[0]: unknown keys ['choices']; allowed: instructions, name, type"),
-    (od(dq(), dq(), dq(), dq("choice", choices=CHOICES2, levels=[])), "questions[3]: unknown keys ['levels']; allowed: choices, instructions, name, type"),
-    (od(dq("score", levels=LEVELS2, criteria=[])), "questions[0]: unknown keys ['criteria']; allowed: instructions, levels, name, type"),
+    (
+        od(dq(), input=[{"type": 5, "role": "user", "content": "x"}]),
+        "input[0].type: must be a string, got number",
+    ),
+    (
+        od(dq(), input=[{"type": None, "role": "user", "content": "x"}]),
+        "input[0].type: must be a string, got null",
+    ),
+    (
+        od(dq(), input=[{"type": ["message"], "role": "user", "content": "x"}]),
+        "input[0].type: must be a string, got array",
+    ),
+    (
+        od(dq(), input=[{"role": ["user"], "content": "x"}]),
+        "input[0].role: must be one of user, developer, system, assistant, got ['user']",
+    ),
+    (
+        od(dq(), input=[{"role": {"user": 1}, "content": "x"}]),
+        "input[0].role: must be one of user, developer, system, assistant, got {'user': 1}",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]),
+        "input[0].content[0]: must be a part of type input_image, input_json, input_text, got ['input_text']",
+    ),
+    (
+        od(dq(instructions=[{"type": {"t": 1}, "text": "x"}])),
+        "questions[0].instructions[0]: must be a part of type input_image, input_json, input_text, got {'t': 1}",
+    ),
+    (
+        od(dq(choices=CHOICES2)),
+        "questions[0]: unknown keys ['choices']; allowed: instructions, name, type",
+    ),
+    (
+        od(dq(), dq(), dq(), dq("choice", choices=CHOICES2, levels=[])),
+        "questions[3]: unknown keys ['levels']; allowed: choices, instructions, name, type",
+    ),
+    (
+        od(dq("score", levels=LEVELS2, criteria=[])),
+        "questions[0]: unknown keys ['criteria']; allowed: instructions, levels, name, type",
+    ),
     (od(dq(name=5)), "questions[0].name: must be a string"),
-    (od({"type": "predicate"}), "questions[0].instructions: missing; every question needs instructions"),
+    (
+        od({"type": "predicate"}),
+        "questions[0].instructions: missing; every question needs instructions",
+    ),
     (od(dq(instructions="")), "questions[0].instructions: must not be empty"),
     (od(dq(instructions=[])), "questions[0].instructions: must not be empty"),
-    (od(dq(instructions=[{"type": "input_text", "text": " "}])), "questions[0].instructions: must not be empty"),
-    (od(dq(instructions=3)), "questions[0].instructions: must be a string, object or array, got number"),
-    (od(dq(instructions=[{"type": "input_text", "text": "q"}, BAD_IMAGE])), f"questions[0].instructions[1]: {IMAGE_REFUSED}"),
-    (od(dq(instructions=[{"type": "refusal", "refusal": "no"}])), "questions[0].instructions[0]: must be a part of type input_image, input_json, input_text, got 'refusal'"),
-    (od(dq(instructions=["plain"])), "questions[0].instructions[0]: must be a part of type input_image, input_json, input_text, got None"),
+    (
+        od(dq(instructions=[{"type": "input_text", "text": " "}])),
+        "questions[0].instructions: must not be empty",
+    ),
+    (
+        od(dq(instructions=3)),
+        "questions[0].instructions: must be a string, object or array, got number",
+    ),
+    (
+        od(dq(instructions=[{"type": "input_text", "text": "q"}, BAD_IMAGE])),
+        f"questions[0].instructions[1]: {IMAGE_REFUSED}",
+    ),
+    (
+        od(dq(instructions=[{"type": "refusal", "refusal": "no"}])),
+        "questions[0].instructions[0]: must be a part of type input_image, input_json, input_text, got 'refusal'",
+    ),
+    (
+        od(dq(instructions=["plain"])),
+        "questions[0].instructions[0]: must be a part of type input_image, input_json, input_text, got None",
+    ),
     (od(dq("choice")), "questions[0].choices: must be an array of {value, description}"),
-    (od(dq(), dq(), dq(), dq("choice", choices={"a": 1})), "questions[3].choices: must be an array of {value, description}"),
-    (od(dq("choice", choices=[{"value": "a"}])), "questions[0].choices: needs at least 2 choices, got 1"),
-    (od(dq("choice", choices=[{"value": "a"}, "b"])), "questions[0].choices[1]: must be an object, got string"),
-    (od(dq(), dq(), dq(), dq("choice", choices=[{"value": "a"}, {"value": "b", "label": "B"}])), "questions[3].choices[1]: unknown keys ['label']; allowed: description, value"),
-    (od(dq("choice", choices=[{"value": "a"}, {"value": 5}])), "questions[0].choices[1].value: must be a string or a boolean"),
-    (od(dq("choice", choices=[{"value": "a"}, {"description": "B"}])), "questions[0].choices[1].value: must be a string or a boolean"),
-    (od(dq("choice", choices=[{"value": "a"}, {"value": "b"}, {"value": "a"}])), "questions[0].choices[2].value: 'a' is already the value of questions[0].choices[0]"),
-    (od(dq("choice", choices=[{"value": True}, {"value": "true"}, {"value": True}])), "questions[0].choices[2].value: True is already the value of questions[0].choices[0]"),
-    (od(dq("choice", choices=[{"value": "a"}, {"value": "b", "description": 5}])), "questions[0].choices[1].description: must be a string"),
-    (od(dq("score")), "questions[0].levels: must be an array of {label, description}, lowest first"),
-    (od(dq("score", levels=[{"label": "x"}])), "questions[0].levels: needs at least 2 levels, got 1"),
-    (od(dq("score", levels=[{"label": "x"}, ["y"]])), "questions[0].levels[1]: must be an object, got array"),
-    (od(dq("score", levels=[{"label": "x", "value": 0}, {"label": "y"}])), "questions[0].levels[0]: unknown keys ['value']; allowed: description, label"),
-    (od(dq("score", levels=[{"label": "x"}, {"description": "y"}])), "questions[0].levels[1].label: must be a nonempty string"),
-    (od(dq("score", levels=[{"label": " "}, {"label": "y"}])), "questions[0].levels[0].label: must be a nonempty string"),
-    (od(dq("score", levels=[{"label": 0}, {"label": "y"}])), "questions[0].levels[0].label: must be a nonempty string"),
-    (od(dq("score", levels=[{"label": "x"}, {"label": "y", "description": 1}])), "questions[0].levels[1].description: must be a string"),
+    (
+        od(dq(), dq(), dq(), dq("choice", choices={"a": 1})),
+        "questions[3].choices: must be an array of {value, description}",
+    ),
+    (
+        od(dq("choice", choices=[{"value": "a"}])),
+        "questions[0].choices: needs at least 2 choices, got 1",
+    ),
+    (
+        od(dq("choice", choices=[{"value": "a"}, "b"])),
+        "questions[0].choices[1]: must be an object, got string",
+    ),
+    (
+        od(dq(), dq(), dq(), dq("choice", choices=[{"value": "a"}, {"value": "b", "label": "B"}])),
+        "questions[3].choices[1]: unknown keys ['label']; allowed: description, value",
+    ),
+    (
+        od(dq("choice", choices=[{"value": "a"}, {"value": 5}])),
+        "questions[0].choices[1].value: must be a string or a boolean",
+    ),
+    (
+        od(dq("choice", choices=[{"value": "a"}, {"description": "B"}])),
+        "questions[0].choices[1].value: must be a string or a boolean",
+    ),
+    (
+        od(dq("choice", choices=[{"value": "a"}, {"value": "b"}, {"value": "a"}])),
+        "questions[0].choices[2].value: 'a' is already the value of questions[0].choices[0]",
+    ),
+    (
+        od(dq("choice", choices=[{"value": True}, {"value": "true"}, {"value": True}])),
+        "questions[0].choices[2].value: True is already the value of questions[0].choices[0]",
+    ),
+    (
+        od(dq("choice", choices=[{"value": "a"}, {"value": "b", "description": 5}])),
+        "questions[0].choices[1].description: must be a string",
+    ),
+    (
+        od(dq("score")),
+        "questions[0].levels: must be an array of {label, description}, lowest first",
+    ),
+    (
+        od(dq("score", levels=[{"label": "x"}])),
+        "questions[0].levels: needs at least 2 levels, got 1",
+    ),
+    (
+        od(dq("score", levels=[{"label": "x"}, ["y"]])),
+        "questions[0].levels[1]: must be an object, got array",
+    ),
+    (
+        od(dq("score", levels=[{"label": "x", "value": 0}, {"label": "y"}])),
+        "questions[0].levels[0]: unknown keys ['value']; allowed: description, label",
+    ),
+    (
+        od(dq("score", levels=[{"label": "x"}, {"description": "y"}])),
+        "questions[0].levels[1].label: must be a nonempty string",
+    ),
+    (
+        od(dq("score", levels=[{"label": " "}, {"label": "y"}])),
+        "questions[0].levels[0].label: must be a nonempty string",
+    ),
+    (
+        od(dq("score", levels=[{"label": 0}, {"label": "y"}])),
+        "questions[0].levels[0].label: must be a nonempty string",
+    ),
+    (
+        od(dq("score", levels=[{"label": "x"}, {"label": "y", "description": 1}])),
+        "questions[0].levels[1].description: must be a string",
+    ),
     (od(dq(), input=5), "input: must be a string or a nonempty array of items"),
     (od(dq(), input=[]), "input: must be a string or a nonempty array of items"),
-    (od(dq(), input={"role": "user", "content": "x"}), "input: must be a string or a nonempty array of items"),
+    (
+        od(dq(), input={"role": "user", "content": "x"}),
+        "input: must be a string or a nonempty array of items",
+    ),
     (od(dq(), input=["hi"]), "input[0]: must be an object, got string"),
-    (od(dq(), input=[{"type": "reasoning", "summary": []}]), "input[0].type: unknown input item type 'reasoning'"),
-    (od(dq(), input=[{"role": "user", "content": "x", "name": "bob"}]), "input[0]: unknown keys ['name']; allowed: content, id, phase, role, status, type"),
-    (od(dq(), input=[{"role": "tool", "content": "x"}]), "input[0].role: must be one of user, developer, system, assistant, got 'tool'"),
-    (od(dq(), input=[{"content": "x"}]), "input[0].role: must be one of user, developer, system, assistant, got None"),
-    (od(dq(), input=[{"role": "user"}]), "input[0].content: must be a string or a nonempty array of parts"),
-    (od(dq(), input=[{"role": "user", "content": []}]), "input[0].content: must be a string or a nonempty array of parts"),
-    (od(dq(), input=[{"role": "user", "content": {"type": "input_text", "text": "x"}}]), "input[0].content: must be a string or a nonempty array of parts"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]), "input[0].content[0]: must be a part of type input_image, input_json, input_text, got 'output_text'"),
-    (od(dq(), input=[{"role": "developer", "content": [{"type": "input_json", "data": {}}]}]), "input[0].content[0]: must be a part of type input_text, got 'input_json'"),
-    (od(dq(), input=[{"role": "system", "content": [BAD_IMAGE]}]), "input[0].content[0]: must be a part of type input_text, got 'input_image'"),
-    (od(dq(), input=[{"role": "assistant", "content": [{"type": "input_text", "text": "x"}]}]), "input[0].content[0]: must be a part of type output_text, refusal, got 'input_text'"),
-    (od(dq(), input=[{"role": "user", "content": ["x"]}]), "input[0].content[0]: must be a part of type input_image, input_json, input_text, got None"),
-    (od(dq(), input=[{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_text", "text": "b"}, BAD_IMAGE]}]), f"input[1].content[1]: {IMAGE_REFUSED}"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_json", "data": {}, "schema": {}}]}]), "input[0].content[0]: unknown keys ['schema']; allowed: data, type"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_json", "data": "x"}]}]), "input[0].content[0].data: must be an object or an array of objects"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_json"}]}]), "input[0].content[0].data: must be an object or an array of objects"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_text", "text": "x", "cache_control": {}}]}]), "input[0].content[0]: unknown keys ['cache_control']; allowed: prompt_cache_breakpoint, text, type"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "implicit"}}]}]), 'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}'),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_text", "text": "x", "prompt_cache_breakpoint": {}}]}]), 'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}'),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_text", "text": "x", "prompt_cache_breakpoint": "explicit"}]}]), 'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}'),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "1h"}}]}]), 'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}'),
-    (od(dq(instructions=[{"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "x"}}])), 'questions[0].instructions[0].prompt_cache_breakpoint: must be {"mode": "explicit"}'),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_text"}]}]), "input[0].content[0].text: must be a string"),
-    (od(dq(), input=[{"role": "user", "content": [{"type": "input_text", "text": 5}]}]), "input[0].content[0].text: must be a string"),
-    (od(dq(), input=[{"role": "assistant", "content": [{"type": "refusal"}]}]), "input[0].content[0].refusal: must be a string"),
-    (od(dq(), input=[{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}]), "input[0].content[0]: unknown keys ['text']; allowed: prompt_cache_breakpoint, refusal, type"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "", "input": ""}]), "input[0]: unknown keys ['input']; allowed: arguments, call_id, id, name, namespace, status, type"),
-    (od(dq(), input=[{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "", "arguments": ""}]), "input[0]: unknown keys ['arguments']; allowed: call_id, id, input, name, namespace, status, type"),
-    (od(dq(), input=[{"type": "function_call", "name": "f", "arguments": ""}]), "input[0].call_id: must be a nonempty string"),
-    (od(dq(), input=[{"type": "function_call", "call_id": " ", "name": "f", "arguments": ""}]), "input[0].call_id: must be a nonempty string"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c", "name": "", "arguments": ""}]), "input[0].name: must be a nonempty string"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c", "name": "f"}]), "input[0].arguments: must be a string"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]), "input[0].arguments: must be a string"),
-    (od(dq(), input=[{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": 1}]), "input[0].input: must be a string"),
-    (od(dq(), input=[{"type": "function_call_output", "call_id": "c9", "output": "x"}]), "input[0].call_id: 'c9' matches no earlier function_call item"),
-    (od(dq(), input=[{"type": "function_call_output", "call_id": "c1", "output": "x"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""}]), "input[0].call_id: 'c1' matches no earlier function_call item"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""}, {"type": "custom_tool_call_output", "call_id": "c1", "output": "x"}]), "input[1].call_id: 'c1' matches no earlier custom_tool_call item"),
-    (od(dq(), input=[{"type": "custom_tool_call", "call_id": "c1", "name": "f", "input": ""}, {"type": "function_call_output", "call_id": "c1", "output": "x"}]), "input[1].call_id: 'c1' matches no earlier function_call item"),
-    (od(dq(), input=[{"type": "function_call_output", "output": "x"}]), "input[0].call_id: must be a nonempty string"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""}, {"type": "function_call_output", "call_id": "c1", "output": "x", "name": "f"}]), "input[1]: unknown keys ['name']; allowed: call_id, id, output, status, type"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""}, {"type": "function_call_output", "call_id": "c1"}]), "input[1].output: must be a string or a nonempty array of parts"),
-    (od(dq(), input=[{"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""}, {"type": "function_call_output", "call_id": "c1", "output": [BAD_IMAGE]}]), f"input[1].output[0]: {IMAGE_REFUSED}"),
-    (od(dq(), input=[{"type": "custom_tool_call", "call_id": "c1", "name": "f", "input": ""}, {"type": "custom_tool_call_output", "call_id": "c1", "output": [{"type": "input_json", "data": {}}]}]), "input[1].output[0]: must be a part of type input_image, input_text, got 'input_json'"),
+    (
+        od(dq(), input=[{"type": "reasoning", "summary": []}]),
+        "input[0].type: unknown input item type 'reasoning'",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": "x", "name": "bob"}]),
+        "input[0]: unknown keys ['name']; allowed: content, id, phase, role, status, type",
+    ),
+    (
+        od(dq(), input=[{"role": "tool", "content": "x"}]),
+        "input[0].role: must be one of user, developer, system, assistant, got 'tool'",
+    ),
+    (
+        od(dq(), input=[{"content": "x"}]),
+        "input[0].role: must be one of user, developer, system, assistant, got None",
+    ),
+    (
+        od(dq(), input=[{"role": "user"}]),
+        "input[0].content: must be a string or a nonempty array of parts",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": []}]),
+        "input[0].content: must be a string or a nonempty array of parts",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": {"type": "input_text", "text": "x"}}]),
+        "input[0].content: must be a string or a nonempty array of parts",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]),
+        "input[0].content[0]: must be a part of type input_image, input_json, input_text, got 'output_text'",
+    ),
+    (
+        od(dq(), input=[{"role": "developer", "content": [{"type": "input_json", "data": {}}]}]),
+        "input[0].content[0]: must be a part of type input_text, got 'input_json'",
+    ),
+    (
+        od(dq(), input=[{"role": "system", "content": [BAD_IMAGE]}]),
+        "input[0].content[0]: must be a part of type input_text, got 'input_image'",
+    ),
+    (
+        od(dq(), input=[{"role": "assistant", "content": [{"type": "input_text", "text": "x"}]}]),
+        "input[0].content[0]: must be a part of type output_text, refusal, got 'input_text'",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": ["x"]}]),
+        "input[0].content[0]: must be a part of type input_image, input_json, input_text, got None",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": [{"type": "input_text", "text": "b"}, BAD_IMAGE]},
+            ],
+        ),
+        f"input[1].content[1]: {IMAGE_REFUSED}",
+    ),
+    (
+        od(
+            dq(),
+            input=[{"role": "user", "content": [{"type": "input_json", "data": {}, "schema": {}}]}],
+        ),
+        "input[0].content[0]: unknown keys ['schema']; allowed: data, type",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": [{"type": "input_json", "data": "x"}]}]),
+        "input[0].content[0].data: must be an object or an array of objects",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": [{"type": "input_json"}]}]),
+        "input[0].content[0].data: must be an object or an array of objects",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "x", "cache_control": {}}],
+                }
+            ],
+        ),
+        "input[0].content[0]: unknown keys ['cache_control']; allowed: prompt_cache_breakpoint, text, type",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "input_text",
+                            "text": "x",
+                            "prompt_cache_breakpoint": {"mode": "implicit"},
+                        }
+                    ],
+                }
+            ],
+        ),
+        'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}',
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "x", "prompt_cache_breakpoint": {}}],
+                }
+            ],
+        ),
+        'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}',
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "x", "prompt_cache_breakpoint": "explicit"}
+                    ],
+                }
+            ],
+        ),
+        'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}',
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "input_text",
+                            "text": "x",
+                            "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "1h"},
+                        }
+                    ],
+                }
+            ],
+        ),
+        'input[0].content[0].prompt_cache_breakpoint: must be {"mode": "explicit"}',
+    ),
+    (
+        od(
+            dq(
+                instructions=[
+                    {"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "x"}}
+                ]
+            )
+        ),
+        'questions[0].instructions[0].prompt_cache_breakpoint: must be {"mode": "explicit"}',
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": [{"type": "input_text"}]}]),
+        "input[0].content[0].text: must be a string",
+    ),
+    (
+        od(dq(), input=[{"role": "user", "content": [{"type": "input_text", "text": 5}]}]),
+        "input[0].content[0].text: must be a string",
+    ),
+    (
+        od(dq(), input=[{"role": "assistant", "content": [{"type": "refusal"}]}]),
+        "input[0].content[0].refusal: must be a string",
+    ),
+    (
+        od(dq(), input=[{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}]),
+        "input[0].content[0]: unknown keys ['text']; allowed: prompt_cache_breakpoint, refusal, type",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "", "input": ""}
+            ],
+        ),
+        "input[0]: unknown keys ['input']; allowed: arguments, call_id, id, name, namespace, status, type",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {
+                    "type": "custom_tool_call",
+                    "call_id": "c",
+                    "name": "f",
+                    "input": "",
+                    "arguments": "",
+                }
+            ],
+        ),
+        "input[0]: unknown keys ['arguments']; allowed: call_id, id, input, name, namespace, status, type",
+    ),
+    (
+        od(dq(), input=[{"type": "function_call", "name": "f", "arguments": ""}]),
+        "input[0].call_id: must be a nonempty string",
+    ),
+    (
+        od(dq(), input=[{"type": "function_call", "call_id": " ", "name": "f", "arguments": ""}]),
+        "input[0].call_id: must be a nonempty string",
+    ),
+    (
+        od(dq(), input=[{"type": "function_call", "call_id": "c", "name": "", "arguments": ""}]),
+        "input[0].name: must be a nonempty string",
+    ),
+    (
+        od(dq(), input=[{"type": "function_call", "call_id": "c", "name": "f"}]),
+        "input[0].arguments: must be a string",
+    ),
+    (
+        od(dq(), input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]),
+        "input[0].arguments: must be a string",
+    ),
+    (
+        od(dq(), input=[{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": 1}]),
+        "input[0].input: must be a string",
+    ),
+    (
+        od(dq(), input=[{"type": "function_call_output", "call_id": "c9", "output": "x"}]),
+        "input[0].call_id: 'c9' matches no earlier function_call item",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""},
+            ],
+        ),
+        "input[0].call_id: 'c1' matches no earlier function_call item",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""},
+                {"type": "custom_tool_call_output", "call_id": "c1", "output": "x"},
+            ],
+        ),
+        "input[1].call_id: 'c1' matches no earlier custom_tool_call item",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "custom_tool_call", "call_id": "c1", "name": "f", "input": ""},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            ],
+        ),
+        "input[1].call_id: 'c1' matches no earlier function_call item",
+    ),
+    (
+        od(dq(), input=[{"type": "function_call_output", "output": "x"}]),
+        "input[0].call_id: must be a nonempty string",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""},
+                {"type": "function_call_output", "call_id": "c1", "output": "x", "name": "f"},
+            ],
+        ),
+        "input[1]: unknown keys ['name']; allowed: call_id, id, output, status, type",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""},
+                {"type": "function_call_output", "call_id": "c1"},
+            ],
+        ),
+        "input[1].output: must be a string or a nonempty array of parts",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": ""},
+                {"type": "function_call_output", "call_id": "c1", "output": [BAD_IMAGE]},
+            ],
+        ),
+        f"input[1].output[0]: {IMAGE_REFUSED}",
+    ),
+    (
+        od(
+            dq(),
+            input=[
+                {"type": "custom_tool_call", "call_id": "c1", "name": "f", "input": ""},
+                {
+                    "type": "custom_tool_call_output",
+                    "call_id": "c1",
+                    "output": [{"type": "input_json", "data": {}}],
+                },
+            ],
+        ),
+        "input[1].output[0]: must be a part of type input_image, input_text, got 'input_json'",
+    ),
 ]
 DECISIONS_UNSUPPORTED = [
-    (od(dq("choice", choices=[{"value": f"c{k}"} for k in range(17)])), OVER_16.format(where="questions[0].choices", noun="choices")),
-    (od(dq(), dq("score", levels=[{"label": f"l{k}"} for k in range(17)])), OVER_16.format(where="questions[1].levels", noun="levels")),
+    (
+        od(dq("choice", choices=[{"value": f"c{k}"} for k in range(17)])),
+        OVER_16.format(where="questions[0].choices", noun="choices"),
+    ),
+    (
+        od(dq(), dq("score", levels=[{"label": f"l{k}"} for k in range(17)])),
+        OVER_16.format(where="questions[1].levels", noun="levels"),
+    ),
 ]
 
 
@@ -1020,8 +1701,14 @@ def test_over_16_choices_or_levels_is_option_count_unsupported(body, message):
     [
         (od(dq(), input=""), "input: must be a nonempty string, object or array"),
         (od(dq(), input="   "), "input: must be a nonempty string, object or array"),
-        (od(dq("choice", choices=[{"value": "a"}, {"value": "b", "description": "  "}])), "questions[0].choices[1]: must be a nonempty string"),
-        (od(dq(), dq("choice", choices=[{"value": " "}, {"value": "b"}])), "questions[1].choices[0]: must be a nonempty string"),
+        (
+            od(dq("choice", choices=[{"value": "a"}, {"value": "b", "description": "  "}])),
+            "questions[0].choices[1]: must be a nonempty string",
+        ),
+        (
+            od(dq(), dq("choice", choices=[{"value": " "}, {"value": "b"}])),
+            "questions[1].choices[0]: must be a nonempty string",
+        ),
         (od(dq(), timeout_s=-1), "timeout_s: must be a number of seconds, 0 < timeout_s <= 86400"),
     ],
 )
@@ -1063,7 +1750,9 @@ def floats(reply: dict) -> list:
     answers = reply["answers"]
     found = []
     for answer in answers.values() if isinstance(answers, dict) else answers:
-        found += [answer[key] for key in ("noul", "probability", "confidence", "score") if key in answer]
+        found += [
+            answer[key] for key in ("noul", "probability", "confidence", "score") if key in answer
+        ]
         listed = answer.get("probabilities", {})
         if isinstance(listed, dict):
             found += list(listed.values())
@@ -1092,7 +1781,9 @@ def s1_body():
 
 
 def test_system_one_reply_shapes_with_exact_arithmetic():
-    scorer = FixedScorer({"Open?": [0.75, 0.25], "Tone?": [0.25, 0.5, 0.25], "Level?": [0.125, 0.25, 0.625]})
+    scorer = FixedScorer(
+        {"Open?": [0.75, 0.25], "Tone?": [0.25, 0.5, 0.25], "Level?": [0.125, 0.25, 0.625]}
+    )
     response, _ = post("/v1/systemone", s1_body(), scorer)
     assert response.status_code == 200, response.text
     reply = response.json
@@ -1121,19 +1812,34 @@ def test_system_one_reply_shapes_with_exact_arithmetic():
     assert semif["tone"]["confidence_formula"] == "normalized-peak-v1"
     assert semif["level"]["probabilities"] == [0.125, 0.25, 0.625]
     assert set(semif["open"]) == {
-        "option_logits", "probabilities", "prompt_sha256", "prompt_version", "input_tokens",
-        "temperature", "probability_status", "cache_hit", "prefix_sha256", "model",
+        "option_logits",
+        "probabilities",
+        "prompt_sha256",
+        "prompt_version",
+        "input_tokens",
+        "temperature",
+        "probability_status",
+        "cache_hit",
+        "prefix_sha256",
+        "model",
     }
     assert semif["open"]["temperature"] == 1.0
     assert semif["open"]["model"]["source"] == "fake"
 
 
 def test_decisions_reply_shapes_with_exact_arithmetic():
-    scorer = FixedScorer({"Open?": [0.75, 0.25], "Which?": [0.25, 0.125, 0.625], "Level?": [0.5, 0.5]})
+    scorer = FixedScorer(
+        {"Open?": [0.75, 0.25], "Which?": [0.25, 0.125, 0.625], "Level?": [0.5, 0.5]}
+    )
     body = od(
         dq(instructions="Open?", name="open"),
         dq("choice", "Which?", choices=[{"value": "true"}, {"value": True}, {"value": False}]),
-        dq("score", "Level?", levels=[{"label": "low"}, {"label": "high", "description": "a lot"}], name="lvl"),
+        dq(
+            "score",
+            "Level?",
+            levels=[{"label": "low"}, {"label": "high", "description": "a lot"}],
+            name="lvl",
+        ),
     )
     response, _ = post("/v1/decisions", body, scorer)
     assert response.status_code == 200, response.text
@@ -1242,7 +1948,9 @@ def test_no_bare_integer_catches_what_it_must():
     ):
         with pytest.raises(AssertionError):
             no_bare_integer(bad)
-    no_bare_integer(b'{"answers": [{"probability": 1e-22, "probabilities": [{"value": 0, "probability": 1.0}]}]}')
+    no_bare_integer(
+        b'{"answers": [{"probability": 1e-22, "probabilities": [{"value": 0, "probability": 1.0}]}]}'
+    )
 
 
 def test_usage_counts_the_state_once_and_the_cache_from_the_first_result():
@@ -1257,7 +1965,10 @@ def test_usage_counts_the_state_once_and_the_cache_from_the_first_result():
     }
     assert [a["semif"]["cache_hit"] for a in response.json["answers"]] == [True, False]
     response, _ = post("/v1/decisions", body, FixedScorer({}, hits=("q1",)))
-    assert response.json["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}
+    assert response.json["usage"]["input_tokens_details"] == {
+        "cached_tokens": 0,
+        "cache_write_tokens": 0,
+    }
     response, _ = post("/v1/systemone", s1_body(), FixedScorer({}, hits=("q0",), stored=True))
     assert response.json["usage"] == {"input_tokens": 18, "output_tokens": 0}
 
@@ -1270,12 +1981,18 @@ def test_400_questions_are_split_into_calls_of_max_decisions_answered_in_order()
     assert [len(call) for _, call in scorer.calls] == [64] * 6 + [16]
     assert [row.id for row in rows(scorer)] == [f"q{k}" for k in range(400)]
     answers = response.json["answers"]
-    assert [(a["name"], a["probability"]) for a in answers] == [(f"n{k}", k / 512) for k in range(400)]
+    assert [(a["name"], a["probability"]) for a in answers] == [
+        (f"n{k}", k / 512) for k in range(400)
+    ]
     assert response.json["usage"]["input_tokens"] == 6 + 4 * 400
     questions = {f"n{k}": noul(f"q{k}?") for k in range(400)}
-    response, scorer = post("/v1/systemone", {"state": "S", "questions": questions}, scorer, max_decisions=64)
+    response, scorer = post(
+        "/v1/systemone", {"state": "S", "questions": questions}, scorer, max_decisions=64
+    )
     assert [len(call) for _, call in scorer.calls][-7:] == [64] * 6 + [16]
-    assert [(n, a["noul"]) for n, a in response.json["answers"].items()] == [(f"n{k}", k / 512) for k in range(400)]
+    assert [(n, a["noul"]) for n, a in response.json["answers"].items()] == [
+        (f"n{k}", k / 512) for k in range(400)
+    ]
 
 
 def test_a_refusal_in_a_later_call_names_its_question():
@@ -1315,10 +2032,19 @@ def test_replies_from_the_translators_directly():
     fake = {**FakeScorer().result(systemone_row()), "probabilities": [1, 0]}
     assert systemone.reply(request, Scored([fake], 9, 3, 2), "real") == {
         "model": "real",
-        "answers": {"x": {"type": "noul", "noul": 1.0, "semif": mapping.readout(fake, with_confidence=False)}},
+        "answers": {
+            "x": {
+                "type": "noul",
+                "noul": 1.0,
+                "semif": mapping.readout(fake, with_confidence=False),
+            }
+        },
         "usage": {"input_tokens": 9, "output_tokens": 0},
     }
-    assert type(systemone.reply(request, Scored([fake], 9, 3, 2), "real")["answers"]["x"]["noul"]) is float
+    assert (
+        type(systemone.reply(request, Scored([fake], 9, 3, 2), "real")["answers"]["x"]["noul"])
+        is float
+    )
     request = decisions.parse(od(dq(name="x")))
     assert decisions.reply(request, Scored([fake], 9, 3, 2), "real")["usage"] == {
         "input_tokens": 9,
@@ -1328,7 +2054,12 @@ def test_replies_from_the_translators_directly():
         "total_tokens": 9,
     }
     answer = decisions.reply(request, Scored([fake], 9, 3, 2), "real")["answers"][0]
-    assert answer == {"type": "predicate", "name": "x", "probability": 1.0, "semif": mapping.readout(fake, with_confidence=False)}
+    assert answer == {
+        "type": "predicate",
+        "name": "x",
+        "probability": 1.0,
+        "semif": mapping.readout(fake, with_confidence=False),
+    }
     assert type(answer["probability"]) is float
 
 
@@ -1353,17 +2084,26 @@ def test_replies_from_the_translators_directly():
     ],
 )
 def test_openai_error_types_by_status(status, kind):
-    assert openai_fields(status, "no field here", ScoringFailed("x")) == {"type": kind, "param": None}
+    assert openai_fields(status, "no field here", ScoringFailed("x")) == {
+        "type": kind,
+        "param": None,
+    }
 
 
 @pytest.mark.parametrize(
     ("error", "param"),
     [
-        (InvalidRequest("questions[3].choices[1].value: must be a string"), "questions[3].choices[1].value"),
-        (OptionCountUnsupported("questions.a.criteria: 17 choices, over the 16"), "questions.a.criteria"),
+        (
+            InvalidRequest("questions[3].choices[1].value: must be a string"),
+            "questions[3].choices[1].value",
+        ),
+        (
+            OptionCountUnsupported("questions.a.criteria: 17 choices, over the 16"),
+            "questions.a.criteria",
+        ),
         (InvalidRequest("input: missing"), "input"),
         (InvalidRequest("body: unknown keys ['x']; allowed: a"), None),
-        (InvalidRequest("body: the key \"a\" appears twice in one object"), None),
+        (InvalidRequest('body: the key "a" appears twice in one object'), None),
         (InvalidRequest("no field is named"), None),
         (InvalidRequest(" spaced: first"), None),
         (InvalidRequest(": empty"), None),
@@ -1429,7 +2169,9 @@ def test_other_routes_keep_exactly_code_and_message():
     client, _ = api(FakeScorer(error=OutOfMemory("CUDA out of memory")))
     replies = [
         client.simulate_post("/decide", json={"id": "x"}, headers=AUTH),
-        client.simulate_post("/decide/shared", json={"state": "s", "decisions": [decision("a")]}, headers=AUTH),
+        client.simulate_post(
+            "/decide/shared", json={"state": "s", "decisions": [decision("a")]}, headers=AUTH
+        ),
         client.simulate_post("/decide", json={}, headers={"Authorization": "Bearer wrong"}),
         client.simulate_get("/v1/nope", headers=AUTH),
         client.simulate_get("/v1/systemone/x", headers=AUTH),
@@ -1466,12 +2208,23 @@ def test_429_and_503_replies_carry_retry_after_ms():
     limit.acquire()  # the one request in progress
     app, _ = fake_app(FakeScorer(), in_flight=limit)
     client = testing.TestClient(app)
-    for path, body in (("/v1/systemone", s1(noul())), ("/v1/decisions", od(dq())), ("/decide/shared", {})):
+    for path, body in (
+        ("/v1/systemone", s1(noul())),
+        ("/v1/decisions", od(dq())),
+        ("/decide/shared", {}),
+    ):
         response = client.simulate_post(path, json=body, headers=AUTH)
         assert response.status_code == 429
-        assert (response.headers["retry-after"], response.headers["retry-after-ms"]) == ("1", "1000")
-    assert response.json == {"error": {"code": "busy", "message": "1 requests are already in progress; retry later"}}
-    response, _ = post("/v1/decisions", od(dq()), FakeScorer(error=OutOfMemory("CUDA out of memory")))
+        assert (response.headers["retry-after"], response.headers["retry-after-ms"]) == (
+            "1",
+            "1000",
+        )
+    assert response.json == {
+        "error": {"code": "busy", "message": "1 requests are already in progress; retry later"}
+    }
+    response, _ = post(
+        "/v1/decisions", od(dq()), FakeScorer(error=OutOfMemory("CUDA out of memory"))
+    )
     assert response.status_code == 503
     assert (response.headers["retry-after"], response.headers["retry-after-ms"]) == ("1", "1000")
     assert response.json["error"]["type"] == "server_error"
@@ -1493,11 +2246,18 @@ def test_every_reply_carries_x_typesafe_request_id():
         assert response.headers["x-typesafe-request-id"] == response.headers["x-request-id"]
         ids.add(response.headers["x-request-id"])
     assert len(ids) == len(replies)
-    response = client.simulate_post("/v1/systemone", json=s1(noul()), headers={**AUTH, "X-Request-Id": "caller-7"})
-    assert (response.headers["x-request-id"], response.headers["x-typesafe-request-id"]) == ("caller-7", "caller-7")
+    response = client.simulate_post(
+        "/v1/systemone", json=s1(noul()), headers={**AUTH, "X-Request-Id": "caller-7"}
+    )
+    assert (response.headers["x-request-id"], response.headers["x-typesafe-request-id"]) == (
+        "caller-7",
+        "caller-7",
+    )
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/systemone", s1(noul(), noul())), ("/v1/decisions", od(dq(), dq()))])
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/systemone", s1(noul(), noul())), ("/v1/decisions", od(dq(), dq()))]
+)
 def test_a_request_whose_client_left_is_dropped_before_scoring(path, body):
     client, scorer = api()
     checks = []
@@ -1510,18 +2270,28 @@ def test_a_request_whose_client_left_is_dropped_before_scoring(path, body):
     assert response.status_code == 499
     assert response.json["error"]["code"] == "client_closed_request"
     assert scorer.calls == [] and checks == [0]
-    response = client.simulate_post(path, json=body, headers=AUTH, extras={CLIENT_GONE_KEY: lambda: False})
+    response = client.simulate_post(
+        path, json=body, headers=AUTH, extras={CLIENT_GONE_KEY: lambda: False}
+    )
     assert response.status_code == 200 and len(scorer.calls) == 1
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/systemone", s1(noul(), noul(), noul())), ("/v1/decisions", od(dq(), dq(), dq()))])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/systemone", s1(noul(), noul(), noul())), ("/v1/decisions", od(dq(), dq(), dq()))],
+)
 def test_the_access_log_counts_the_questions_as_decisions(path, body, caplog):
     client, _ = api()
     with caplog.at_level(logging.INFO, logger="semif_serve.access"):
         response = client.simulate_post(path, json=body, headers={**AUTH, "X-Request-Id": "log-1"})
     assert response.status_code == 200
     [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "semif_serve.access"]
-    assert (line["request_id"], line["route"], line["status"], line["decisions"]) == ("log-1", path, 200, 3)
+    assert (line["request_id"], line["route"], line["status"], line["decisions"]) == (
+        "log-1",
+        path,
+        200,
+        3,
+    )
 
 
 def test_the_reply_carries_the_state_key_of_the_rendered_state():

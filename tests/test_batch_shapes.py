@@ -15,13 +15,13 @@ from rows_factory import make_rows
 from test_warmup import INFO, TABLE, ShapeRecorder
 from tiny_models import tiny_qwen35
 
+from semif_serve.engine.warmup import plan, warm_up_shapes
 from semif_serve.runtime.selection import Cost, cost_of
 from semif_serve.runtime.selection import select as select_batch
 from semif_serve.scoring import ScoringModel, parse_row
 from semif_serve.scoring.coalesced import _padded_ids, score_batch
 from semif_serve.scoring.inputs import direct_input
 from semif_serve.scoring.shapes import DEFAULT, Buckets, bucketed_tokens
-from semif_serve.warmup import plan, warm_up_shapes
 
 # TABLE: lengths 32, 64, 96, 128, 192, 256, 384, 512, ...; rows 1, 2, 4, 8, then multiples of 8
 MAX_TOKENS = 400  # a prompt's limit (Qwen tokens)

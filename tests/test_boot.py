@@ -7,8 +7,8 @@ from fake_torch import GIB, FakeTorch
 from fakes import AUTH, row, settings
 from falcon import testing
 
-from semif_serve.boot import StartupError, TorchScorer, build_engine, missing_fast_kernels
-from semif_serve.engine import Engine
+from semif_serve.engine.boot import StartupError, TorchScorer, build_engine, missing_fast_kernels
+from semif_serve.engine.engine import Engine
 from semif_serve.http import create_app
 from semif_serve.runtime.service import DecisionService
 from semif_serve.server import build_runtime
@@ -88,7 +88,9 @@ def test_no_cap_sets_no_fraction_and_a_cap_over_the_card_refuses_to_start(tiny_q
 
 
 def test_a_failing_warm_up_stops_startup(tiny_qwen):
-    broken = type(tiny_qwen)(model=tiny_qwen.model, tokenizer=tiny_qwen.tokenizer, info=tiny_qwen.info)
+    broken = type(tiny_qwen)(
+        model=tiny_qwen.model, tokenizer=tiny_qwen.tokenizer, info=tiny_qwen.info
+    )
     object.__setattr__(broken, "model", None)  # past the load's checks: its first call fails
     with pytest.raises(StartupError, match="the warm-up decision failed"):
         build_engine(gpu_settings(), torch_module=FakeTorch(), load=loader(broken))
@@ -165,7 +167,7 @@ def test_an_injected_oom_on_the_real_cpu_engine_is_503_and_the_next_request_succ
 
 
 def test_capacity_is_the_decisions_that_fit_beside_the_model_clamped_to_1_16():
-    from semif_serve.boot import derive_capacity
+    from semif_serve.engine.boot import derive_capacity
 
     assert derive_capacity(10 * GIB, 4 * GIB, 2 * GIB) == 3
     assert derive_capacity(10 * GIB, 4 * GIB, 7 * GIB) == 1  # never below one slot
@@ -199,7 +201,7 @@ def test_gpu_capacity_scales_the_warm_up_peak_to_max_tokens(tiny_qwen):
 
 
 def test_cpu_capacity_comes_from_the_memory_budget(smollm2):
-    from semif_serve.boot import kv_bytes_per_token, parameter_bytes
+    from semif_serve.engine.boot import kv_bytes_per_token, parameter_bytes
 
     # SmolLM2-135M: 30 layers x 3 kv heads x 64 dims x 2 (k, v) x 4 bytes = 46,080 bytes a token.
     assert kv_bytes_per_token(smollm2.model) == 46080

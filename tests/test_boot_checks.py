@@ -14,8 +14,8 @@ import torch
 from fake_torch import GIB, MIB, FakeCuda, FakeTorch
 from fakes import settings
 
-from semif_serve import boot, warmup
-from semif_serve.boot import (
+from semif_serve.engine import boot, warmup
+from semif_serve.engine.boot import (
     StartupError,
     TorchScorer,
     apply_vram_cap,
@@ -140,7 +140,7 @@ def warm_up(monkeypatch):
         return {"input_tokens": plan.input_tokens}
 
     def warm_up_shapes(scoring_model, **kwargs):
-        """The shape warm-up (semif_serve.warmup): recorded; returns `plan.shapes`."""
+        """The shape warm-up (semif_serve.engine.warmup): recorded; returns `plan.shapes`."""
         plan.shape_calls.append((scoring_model, kwargs))
         return plan.shapes
 

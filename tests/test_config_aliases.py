@@ -128,8 +128,14 @@ def test_the_reply_names_the_model_that_answered_never_the_alias(path, body, nam
 @pytest.mark.parametrize(
     ("aliases", "message"),
     [
-        ({"default": "default"}, "SEMIF_MODEL_ALIASES: 'default' is a registered model's own id (models: default)"),
-        ({"jev-latest": "default", "gpt": "missing"}, "SEMIF_MODEL_ALIASES: 'gpt' names 'missing', which is not a registered model (default)"),
+        (
+            {"default": "default"},
+            "SEMIF_MODEL_ALIASES: 'default' is a registered model's own id (models: default)",
+        ),
+        (
+            {"jev-latest": "default", "gpt": "missing"},
+            "SEMIF_MODEL_ALIASES: 'gpt' names 'missing', which is not a registered model (default)",
+        ),
     ],
 )
 def test_an_alias_that_is_a_model_s_id_or_names_no_model_stops_the_start(aliases, message):
@@ -146,10 +152,16 @@ def test_alias_targets_are_checked_against_every_startup_model():
     assert check_alias_targets({"x": "b", "y": "a", "z": "b"}, ["a", "b"]) is None
     with pytest.raises(ConfigError) as raised:
         check_alias_targets({"x": "b", "a": "b"}, ["a", "b"])
-    assert str(raised.value) == "SEMIF_MODEL_ALIASES: 'a' is a registered model's own id (models: a, b)"
+    assert (
+        str(raised.value)
+        == "SEMIF_MODEL_ALIASES: 'a' is a registered model's own id (models: a, b)"
+    )
     with pytest.raises(ConfigError) as raised:
         check_alias_targets({"x": "c"}, ["a", "b"])
-    assert str(raised.value) == "SEMIF_MODEL_ALIASES: 'x' names 'c', which is not a registered model (a, b)"
+    assert (
+        str(raised.value)
+        == "SEMIF_MODEL_ALIASES: 'x' names 'c', which is not a registered model (a, b)"
+    )
 
 
 @pytest.mark.parametrize(("path", "body"), ROUTES)
@@ -179,7 +191,13 @@ def test_an_unknown_name_is_404_listing_the_models_and_aliases(path, body, alias
 def two_models(**overrides):
     """Models `a` (the default, loaded) and `b` (loaded when first asked for)."""
     config = settings(parallel_slots=2, **overrides)
-    runtime = Runtime(config, Factory(), [spec("a", load_on_startup=True), spec("b")], "a", source_check=lambda spec: None)
+    runtime = Runtime(
+        config,
+        Factory(),
+        [spec("a", load_on_startup=True), spec("b")],
+        "a",
+        source_check=lambda spec: None,
+    )
     Background(lambda: runtime.start(idle_interval_s=None)).result()
     return testing.TestClient(create_app(DecisionService(runtime, config), config))
 
@@ -204,7 +222,11 @@ def test_only_the_ecosystem_routes_read_aliases():
         "model": "jev-latest",
         "state": "s",
         "decisions": [
-            {"id": "a", "question": "q", "options": [{"id": "y", "description": "Y"}, {"id": "n", "description": "N"}]}
+            {
+                "id": "a",
+                "question": "q",
+                "options": [{"id": "y", "description": "Y"}, {"id": "n", "description": "N"}],
+            }
         ],
     }
     response = testing.TestClient(app).simulate_post("/decide/shared", json=body, headers=AUTH)
@@ -223,16 +245,36 @@ STATUSES = [
 
 def test_the_listing_has_openai_s_data_and_typesafe_s_models():
     listing = model_listing(
-        STATUSES, MappingProxyType({"jev-latest": "default", "a-old": "default", "l": "local"}), STARTED
+        STATUSES,
+        MappingProxyType({"jev-latest": "default", "a-old": "default", "l": "local"}),
+        STARTED,
     )
     assert listing == {
         "object": "list",
         "data": [
             {"id": "default", "object": "model", "created": STARTED, "owned_by": "semif-serve"},
             {"id": "local", "object": "model", "created": STARTED, "owned_by": "semif-serve"},
-            {"id": "jev-latest", "object": "model", "created": STARTED, "owned_by": "semif-serve", "alias_of": "default"},
-            {"id": "a-old", "object": "model", "created": STARTED, "owned_by": "semif-serve", "alias_of": "default"},
-            {"id": "l", "object": "model", "created": STARTED, "owned_by": "semif-serve", "alias_of": "local"},
+            {
+                "id": "jev-latest",
+                "object": "model",
+                "created": STARTED,
+                "owned_by": "semif-serve",
+                "alias_of": "default",
+            },
+            {
+                "id": "a-old",
+                "object": "model",
+                "created": STARTED,
+                "owned_by": "semif-serve",
+                "alias_of": "default",
+            },
+            {
+                "id": "l",
+                "object": "model",
+                "created": STARTED,
+                "owned_by": "semif-serve",
+                "alias_of": "local",
+            },
         ],
         "models": [
             {
@@ -254,12 +296,21 @@ def test_the_listing_has_openai_s_data_and_typesafe_s_models():
 
 
 def test_the_listing_without_aliases_and_its_date_in_utc():
-    listing = model_listing([{"id": "m", "source": None}], {}, 1_790_000_000 - 1_790_000_000 % 86_400 - 1)
+    listing = model_listing(
+        [{"id": "m", "source": None}], {}, 1_790_000_000 - 1_790_000_000 % 86_400 - 1
+    )
     assert listing["data"] == [
         {"id": "m", "object": "model", "created": 1_789_948_799, "owned_by": "semif-serve"}
     ]
     assert listing["models"] == [
-        {"id": "m", "source": None, "name": "m", "description": "None", "release_date": "2026-09-20", "aliases": []}
+        {
+            "id": "m",
+            "source": None,
+            "name": "m",
+            "description": "None",
+            "release_date": "2026-09-20",
+            "aliases": [],
+        }
     ]
 
 

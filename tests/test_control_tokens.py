@@ -28,6 +28,7 @@ from test_prompt_fastpath import reference_ids
 from tiny_models import byte_tokenizer
 from tokenizers import AddedToken
 
+from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.scoring import PromptRejected, parse_row, score, score_shared, shared_prompts
 from semif_serve.scoring.plain_text import control_tokens
 from semif_serve.scoring.prefix_cache import PrefixCache
@@ -45,7 +46,6 @@ from semif_serve.scoring.shared_prompts import (
     shared_prefix,
     state_head_end,
 )
-from semif_serve.torch_scorer import TorchScorer
 
 MAX_TOKENS = 100_000
 TOLERANCE = 1e-5
@@ -64,7 +64,7 @@ def smollm2_tokenizer():
     """SmolLM2's real tokenizer: from the converted built-in snapshot, else its GGUF."""
     from transformers import AutoTokenizer
 
-    from semif_serve import builtin
+    from semif_serve.engine import builtin
 
     folder, _ = builtin.snapshot(builtin.SMOLLM2, convert=False)
     if folder is not None:

@@ -39,8 +39,13 @@ def rows(state):
 
 QUESTIONS = {
     "billing": Noul(instructions="Is this about billing?"),
-    "tone": Choice(instructions={"ask": "What is the tone?"}, criteria={"calm": None, "angry": "An upset message"}),
-    "urgency": Score(instructions="How urgent is it?", criteria=["Can wait", {"when": "today"}, "Now"]),
+    "tone": Choice(
+        instructions={"ask": "What is the tone?"},
+        criteria={"calm": None, "angry": "An upset message"},
+    ),
+    "urgency": Score(
+        instructions="How urgent is it?", criteria=["Can wait", {"when": "today"}, "Now"]
+    ),
 }
 
 
@@ -80,7 +85,9 @@ def test_system_one_answers_are_the_mapped_rows(server):
     raw = json.loads(reply.raw_http_response.content)["answers"]
     for name in QUESTIONS:
         block = raw[name]["semif"]
-        assert block["prompt_sha256"] == shared[name]["prompt_sha256"] == direct[name]["prompt_sha256"]
+        assert (
+            block["prompt_sha256"] == shared[name]["prompt_sha256"] == direct[name]["prompt_sha256"]
+        )
         assert block["probabilities"] == pytest.approx(shared[name]["probabilities"], abs=1e-6)
         assert block["probabilities"] == pytest.approx(direct[name]["probabilities"], abs=1e-4)
     p_billing = shared["billing"]["probabilities"]
@@ -121,7 +128,9 @@ def test_decisions_answers_are_the_mapped_rows_and_count_the_cache(server):
     for answer in first.answers:
         block = answer.semif
         assert block["prompt_sha256"] == shared[answer.name]["prompt_sha256"]
-        assert block["probabilities"] == pytest.approx(shared[answer.name]["probabilities"], abs=1e-6)
+        assert block["probabilities"] == pytest.approx(
+            shared[answer.name]["probabilities"], abs=1e-6
+        )
     # The first request stored the state prefix; the second read it back (the same scores).
     stored = first.usage.input_tokens_details
     assert stored.cached_tokens == 0 and stored.cache_write_tokens > 100
@@ -129,4 +138,6 @@ def test_decisions_answers_are_the_mapped_rows_and_count_the_cache(server):
     assert reused.cached_tokens == stored.cache_write_tokens and reused.cache_write_tokens == 0
     assert again.usage.input_tokens == first.usage.input_tokens == first.usage.total_tokens
     for before, after in zip(first.answers, again.answers, strict=True):
-        assert after.semif["probabilities"] == pytest.approx(before.semif["probabilities"], abs=1e-5)
+        assert after.semif["probabilities"] == pytest.approx(
+            before.semif["probabilities"], abs=1e-5
+        )

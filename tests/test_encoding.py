@@ -110,7 +110,9 @@ def metered(monkeypatch):
         return Metered(zlib.decompressobj(wbits=wbits), calls, state.step)
 
     monkeypatch.setattr(
-        encoding, "zstd", types.SimpleNamespace(ZstdDecompressor=zstd_decoder, ZstdError=zstd.ZstdError)
+        encoding,
+        "zstd",
+        types.SimpleNamespace(ZstdDecompressor=zstd_decoder, ZstdError=zstd.ZstdError),
     )
     monkeypatch.setattr(
         encoding, "zlib", types.SimpleNamespace(decompressobj=gzip_decoder, error=zlib.error)
@@ -130,14 +132,31 @@ def test_no_coding_or_identity_is_the_body_as_it_is(header):
 
 @pytest.mark.parametrize(
     ("header", "name"),
-    [("gzip", "gzip"), ("GZIP", "gzip"), (" GZip ", "gzip"), ("zstd", "zstd"), ("\tZSTD  ", "zstd")],
+    [
+        ("gzip", "gzip"),
+        ("GZIP", "gzip"),
+        (" GZip ", "gzip"),
+        ("zstd", "zstd"),
+        ("\tZSTD  ", "zstd"),
+    ],
 )
 def test_gzip_and_zstd_are_named_in_any_case_and_whitespace(header, name):
     assert coding(header) == name
 
 
 @pytest.mark.parametrize(
-    "header", ["br", "deflate", "x-gzip", "compress", "gzip, zstd", "identity, gzip", "gzip,gzip", "zstd;q=1", "g zip"]
+    "header",
+    [
+        "br",
+        "deflate",
+        "x-gzip",
+        "compress",
+        "gzip, zstd",
+        "identity, gzip",
+        "gzip,gzip",
+        "zstd;q=1",
+        "g zip",
+    ],
 )
 def test_any_other_coding_or_a_list_of_codings_is_415_naming_it(header):
     with pytest.raises(UnsupportedEncoding) as raised:
@@ -157,13 +176,13 @@ def test_a_body_decodes_to_its_bytes(name):
 
 
 def test_several_zstd_frames_are_one_body():
-    frames = zstd.compress(b'{"a": ') + zstd.compress(b"") + zstd.compress(b'[1, 2]}')
+    frames = zstd.compress(b'{"a": ') + zstd.compress(b"") + zstd.compress(b"[1, 2]}")
     assert decoded(frames, "zstd", 100) == b'{"a": [1, 2]}'
     assert read_json_object(environ(frames, "zstd"), 100) == {"a": [1, 2]}
 
 
 def test_several_gzip_members_are_one_body():
-    members = gz(b'{"a": ') + gz(b"") + gz(b'[1, 2]}')
+    members = gz(b'{"a": ') + gz(b"") + gz(b"[1, 2]}")
     assert decoded(members, "gzip", 100) == b'{"a": [1, 2]}'
     assert read_json_object(environ(members, "gzip"), 100) == {"a": [1, 2]}
 
@@ -205,7 +224,9 @@ def test_the_decoded_size_exactly_at_the_limit_passes_and_one_byte_more_is_413(n
 def test_the_limit_counts_every_frame_together(name, metered):
     frames = ENCODE[name](b"x" * 60) + ENCODE[name](b"y" * 60)
     assert decoded(frames, name, 120) == b"x" * 60 + b"y" * 60
-    with pytest.raises(RequestTooLarge, match=rf"^the body decodes \({name}\) to more than the limit of 100 bytes$"):
+    with pytest.raises(
+        RequestTooLarge, match=rf"^the body decodes \({name}\) to more than the limit of 100 bytes$"
+    ):
         decoded(frames, name, 100)
     assert metered.calls[-1] == (41, 41)  # the second frame was asked for 100 - 60 + 1 bytes
 
@@ -387,7 +408,9 @@ SYSTEM_ONE = json.dumps(
 
 
 @pytest.mark.parametrize("name", ["gzip", "zstd"])
-@pytest.mark.parametrize(("path", "body"), [("/decide/shared", SHARED), ("/v1/systemone", SYSTEM_ONE)])
+@pytest.mark.parametrize(
+    ("path", "body"), [("/decide/shared", SHARED), ("/v1/systemone", SYSTEM_ONE)]
+)
 def test_an_encoded_body_is_answered_as_the_plain_one(path, body, name):
     response, scorer = post(path, ENCODE[name](body), {"Content-Encoding": name.upper()})
     plain, _ = post(path, body, {})
@@ -422,7 +445,9 @@ def test_an_unknown_coding_is_a_415_envelope():
 
 
 def test_a_bomb_through_the_app_is_a_413_and_nothing_is_scored(metered):
-    response, scorer = post("/v1/systemone", zstd_bomb(), {"Content-Encoding": "zstd"}, max_body_bytes=65_536)
+    response, scorer = post(
+        "/v1/systemone", zstd_bomb(), {"Content-Encoding": "zstd"}, max_body_bytes=65_536
+    )
     assert response.status_code == 413
     assert response.json["error"] == {
         "code": "request_too_large",

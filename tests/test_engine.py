@@ -7,7 +7,12 @@ from fake_torch import GIB, MIB, FakeTorch
 from fakes import WAIT_S, FakeScorer
 from runtime_fixtures import Background
 
-from semif_serve.engine import EMPTY_OOM_MESSAGE, RELEASE_MARGIN_BYTES, Engine, is_out_of_memory
+from semif_serve.engine.engine import (
+    EMPTY_OOM_MESSAGE,
+    RELEASE_MARGIN_BYTES,
+    Engine,
+    is_out_of_memory,
+)
 from semif_serve.errors import OutOfMemory, ScoringFailed
 from semif_serve.scoring import parse_row
 from semif_serve.scoring.rows import RowError

@@ -35,7 +35,7 @@ from tiny_models import (
 )
 from transformers import LlamaForCausalLM
 
-from semif_serve.loading import ModelLoadError, load_model
+from semif_serve.engine.loading import ModelLoadError, load_model
 from semif_serve.scoring import ModelInfo, ScoringModel, parse_row, score, score_shared
 from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.head import (

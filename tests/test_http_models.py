@@ -5,7 +5,7 @@ from fakes import AUTH, FakeScorer, row, settings
 from falcon import testing
 from runtime_fixtures import Background, Factory, Held, spec
 
-from semif_serve.boot import check_source as check
+from semif_serve.engine.boot import check_source as check
 from semif_serve.http import create_app
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService

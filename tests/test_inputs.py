@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from fakes import row
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
+from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.scoring import PromptRejected, parse_row, score, score_shared
 from semif_serve.scoring.inputs import DirectInput, SharedInput
 from semif_serve.scoring.prefix_cache import PrefixCache
-from semif_serve.torch_scorer import TorchScorer
 
 
 def test_prepared_inputs_score_as_plain_rows(tiny_qwen):

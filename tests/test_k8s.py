@@ -78,7 +78,7 @@ def test_pods_get_only_variables_the_server_reads(rendered):
     _, objects = rendered
     read = set(re.findall(r'"(SEMIF_[A-Z_]+)"', (ROOT / "semif_serve/config.py").read_text()))
     read |= set(
-        re.findall(r'"(SEMIF_[A-Z_]+)"', (ROOT / "semif_serve/kernel_cache.py").read_text())
+        re.findall(r'"(SEMIF_[A-Z_]+)"', (ROOT / "semif_serve/engine/kernel_cache.py").read_text())
     )
     given = {name for name in environment(objects) if name.startswith("SEMIF_")}
     assert given <= read, f"unknown variables: {sorted(given - read)}"
@@ -108,7 +108,7 @@ def test_routing_hashes_on_the_session_or_state_key_and_scaling_reads_a_metric(r
     )
     (metric,) = objects[("HorizontalPodAutoscaler", "semif-serve")]["spec"]["metrics"]
     name = metric["pods"]["metric"]["name"]
-    assert f'"{name}"' in (ROOT / "semif_serve/metrics.py").read_text()
+    assert f'"{name}"' in (ROOT / "semif_serve/http/metrics.py").read_text()
 
 
 def test_the_gpu_overlay_takes_one_gpu_and_a_read_only_model_cache():

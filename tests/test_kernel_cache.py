@@ -1,4 +1,4 @@
-"""Kernel caches (semif_serve/kernel_cache.py): every cache under one folder, the operator's
+"""Kernel caches (semif_serve/engine/kernel_cache.py): every cache under one folder, the operator's
 values kept, folders private, and `semif-serve serve` setting them before torch is imported."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from semif_serve.config import ConfigError
-from semif_serve.kernel_cache import configure, kernel_cache_root
+from semif_serve.engine.kernel_cache import configure, kernel_cache_root
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "t" * 40

@@ -14,7 +14,7 @@ from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_app, fake_runtime, ro
 from falcon import testing
 from runtime_fixtures import spec, wait_until
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
 from semif_serve.errors import OutOfMemory, ScoringFailed
 from semif_serve.http import create_app
 from semif_serve.runtime.registry import Runtime

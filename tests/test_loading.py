@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import byte_tokenizer, tiny_qwen35_config
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from semif_serve import builtin, loading, snapshot_manifest
-from semif_serve.loading import (
+from semif_serve.engine import builtin, loading, snapshot_manifest
+from semif_serve.engine.loading import (
     ModelLoadError,
     attention_implementation,
     folder_revision,

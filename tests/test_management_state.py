@@ -1,5 +1,5 @@
 """Issue 30: management changes survive a worker that dies. The state file's pure pieces
-(semif_serve/management_state.py), then real gunicorn servers over fake engines
+(semif_serve/runtime/management_state.py), then real gunicorn servers over fake engines
 (tests/serve_fake_managed.py) whose worker is killed with SIGKILL and respawned by the master.
 
 Before issue 30 the respawned worker answered /health 2.8 s later with every PUT undone
@@ -22,9 +22,10 @@ import pytest
 from fakes import TOKEN, row
 from live_server import LiveServer
 
-from semif_serve import cli, management_state
+from semif_serve import cli
 from semif_serve.config import ConfigError
-from semif_serve.management_state import (
+from semif_serve.runtime import management_state
+from semif_serve.runtime.management_state import (
     STATE_FILE,
     ManagementState,
     ReplayReport,

@@ -19,8 +19,9 @@ from prefix_fixtures import resume_once
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from semif_serve import native_memory, server
+from semif_serve import server
 from semif_serve.config import Settings
+from semif_serve.engine import native_memory
 from semif_serve.scoring import cache as cache_module
 from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring.cache import MAPPING_ALIGNMENT, cache_bytes, move_to_own_mapping
@@ -235,7 +236,7 @@ def test_without_glibc_nothing_is_called(monkeypatch):
 
 
 RESIDENT_SCRIPT = """
-from semif_serve import native_memory
+from semif_serve.engine import native_memory
 before = native_memory.resident_bytes()
 block = b"\\x01" * (64 << 20)  # written: every page touched
 print(before, native_memory.resident_bytes())
@@ -261,7 +262,7 @@ def test_this_machines_glibc_takes_both_calls():
 
 HEAP_SCRIPT = """
 import ctypes, json
-from semif_serve import native_memory
+from semif_serve.engine import native_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

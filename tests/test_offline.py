@@ -27,7 +27,7 @@ def run_python(code, **env):
         # A caller that imported the hub first: the already-read constant is corrected too.
         "import huggingface_hub.constants; import semif_serve.cli; " + PROBE,
         # gunicorn's entry: the server module, and the boot path that imports torch.
-        "import semif_serve.server, semif_serve.boot; " + PROBE,
+        "import semif_serve.server, semif_serve.engine.boot; " + PROBE,
     ],
 )
 def test_offline_is_forced_even_when_the_environment_says_otherwise(code):

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 from fake_torch import FakeTorch
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
+from semif_serve.engine.oom_policy import bytes_to_drop, ran_out_of_memory, relieved, shortfall
+from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.errors import OutOfMemory, ScoringFailed
-from semif_serve.oom_policy import bytes_to_drop, ran_out_of_memory, relieved, shortfall
-from semif_serve.torch_scorer import TorchScorer
 
 MIB = 1 << 20
 CUDA_OOM = (
@@ -122,7 +122,7 @@ def scored(made, call, method="score"):
 
 
 def drops_logged(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == "semif_serve.torch_scorer"]
+    return [r.getMessage() for r in caplog.records if r.name == "semif_serve.engine.torch_scorer"]
 
 
 @pytest.mark.parametrize("method", ["score", "score_shared"])

@@ -13,14 +13,15 @@ import pytest
 import torch
 from rows_factory import STATE, make_rows
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
+from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.errors import OutOfMemory
 from semif_serve.scoring import prefix_cache as prefix_cache_module
 from semif_serve.scoring import score, score_shared
-from semif_serve.scoring.prefix_cache import BOUNDARY, MIN_PREFIX_TOKENS, PrefixCache
+from semif_serve.scoring.checkpoints import BOUNDARY
+from semif_serve.scoring.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 from semif_serve.scoring.prompt import render
 from semif_serve.scoring.rows import as_row
-from semif_serve.torch_scorer import TorchScorer
 
 TOLERANCE = 1e-5
 MAX_TOKENS = 4096

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from rows_factory import make_rows
 
 from semif_serve.scoring import score, score_shared
-from semif_serve.scoring.prefix_cache import BOUNDARY, CHECKPOINT, CROP, END, PrefixCache
+from semif_serve.scoring.checkpoints import BOUNDARY, CHECKPOINT, CROP, END
+from semif_serve.scoring.prefix_cache import PrefixCache
 
 TOLERANCE = 1e-5
 MAX_TOKENS = 4096

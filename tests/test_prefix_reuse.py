@@ -10,17 +10,16 @@ import pytest
 from prefix_fixtures import read_ids, token_prefill
 
 from semif_serve.scoring.cache import cache_bytes, checkpoint_bytes
-from semif_serve.scoring.prefix_cache import (
+from semif_serve.scoring.checkpoints import (
     BOUNDARY,
     BOUNDARY_TOKENS,
+    BREAKPOINT,
     CHECKPOINT,
     CROP,
     END,
-    SUPERSEDED_TAIL,
-    PrefixCache,
-    Reuse,
     checkpoint_stops,
 )
+from semif_serve.scoring.prefix_cache import SUPERSEDED_TAIL, PrefixCache, Reuse
 
 MODEL = ("source", "test")
 STATE = list(range(1, 201))  # 200 ids, none 0
@@ -299,13 +298,31 @@ def test_a_hybrid_start_before_the_first_checkpoint_is_a_miss_even_at_one_token_
     assert (reuse.tokens, reuse.point) == (0, None) and calls[0][0] == 0
 
 
-def test_a_model_views_marks_reach_the_store_as_checkpoints():
+def test_a_model_views_breakpoints_reach_the_store_as_checkpoints():
     cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
     prefill = token_prefill(STATE, linear=True)
-    with cache.for_model(MODEL).resume(STATE, prefill, {150: "breakpoint"}) as (resumed, _):
+    view = cache.for_model(MODEL).within("alice", (150, 170))
+    with view.resume(STATE, prefill) as (resumed, _):
         assert read_ids(resumed) == STATE
     (entry,) = cache._entries.values()
-    assert entry.checkpoints[150][0] == "breakpoint"
+    assert entry.partition == "alice"
+    assert {at: kind for at, (kind, _) in entry.checkpoints.items() if kind == BREAKPOINT} == {
+        150: BREAKPOINT,
+        170: BREAKPOINT,
+    }
+    # A grown state that diverges at 175 resumes from the last breakpoint inside the common start.
+    grown = STATE[:175] + [999] * 30
+    with view.resume(grown, token_prefill(grown, linear=True)) as (resumed, reuse):
+        assert read_ids(resumed) == grown
+    assert (reuse.tokens, reuse.point) == (170, BREAKPOINT)
+
+
+def test_a_view_without_breakpoints_marks_nothing():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=0)
+    with cache.for_model(MODEL).within("alice").resume(STATE, token_prefill(STATE, linear=True)):
+        pass
+    (entry,) = cache._entries.values()
+    assert [kind for kind, _ in entry.checkpoints.values()] == [BOUNDARY]
 
 
 def test_the_match_that_resumes_most_tokens_wins_over_a_stored_start_of_the_ids():

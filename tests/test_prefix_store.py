@@ -128,7 +128,9 @@ def test_each_model_view_uses_its_own_identity():
     assert use(cache, [1, 2]) and not use(cache, [1, 2], model=OTHER_MODEL)
     with resume_once(other, None, [1, 2], lambda: stored_prefix(4)) as (_, hit, _):
         assert hit
-    assert figures(view.stats()) == figures(cache.stats(MODEL)) == counts(hits=1, misses=1, entries=1)
+    assert (
+        figures(view.stats()) == figures(cache.stats(MODEL)) == counts(hits=1, misses=1, entries=1)
+    )
     assert figures(other.stats()) == counts(hits=1, misses=1, entries=1)
     assert other.drop() == ENTRY
     assert (view.stats()["entries"], other.stats()["entries"]) == (1, 0)
@@ -226,7 +228,10 @@ def test_an_entry_filling_the_budget_after_evictions_is_stored():
         use(cache, ids)
     assert not use(cache, [9], tokens=12)  # 384 bytes: every entry goes
     assert stored(cache) == [(9,)] and cache.total_bytes == 3 * ENTRY
-    assert figures(cache.stats(MODEL)) == counts(misses=4, evictions=3) | {"bytes": 384, "entries": 1}
+    assert figures(cache.stats(MODEL)) == counts(misses=4, evictions=3) | {
+        "bytes": 384,
+        "entries": 1,
+    }
 
 
 def test_an_entry_larger_than_the_room_is_not_stored_and_evicts_nothing():

@@ -180,7 +180,7 @@ def smollm2_tokenizer():
     """SmolLM2's real tokenizer: from the converted built-in snapshot, else its GGUF."""
     from transformers import AutoTokenizer
 
-    from semif_serve import builtin
+    from semif_serve.engine import builtin
 
     folder, _ = builtin.snapshot(builtin.SMOLLM2, convert=False)
     if folder is not None:

@@ -16,7 +16,7 @@ import pytest
 from fakes import WAIT_S, FakeScorer, row
 from runtime_fixtures import Factory, GatedEngine, Held, runtime, spec
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
 from semif_serve.errors import BadManagementRequest
 from semif_serve.scoring import parse_row
 

@@ -155,7 +155,9 @@ GROWN_VERSIONS = 20
 def grown_log(version: int) -> dict:
     """An agent's log after `version` more events: each version appends one to the last."""
     state = long_state("agent")
-    events = [f"event {n}: the agent checked the tray and logged the result" for n in range(version)]
+    events = [
+        f"event {n}: the agent checked the tray and logged the result" for n in range(version)
+    ]
     return {**state, "history": state["history"] + events}
 
 

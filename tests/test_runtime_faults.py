@@ -38,9 +38,8 @@ class Faults:
     def on_victims_path(self):
         """The victim's own thread, or the load it started (a request's load runs in a thread
         of its own, so that its waits keep their deadline)."""
-        return (
-            threading.get_ident() == self.victim
-            or threading.current_thread().name.startswith("semif-load-")
+        return threading.get_ident() == self.victim or threading.current_thread().name.startswith(
+            "semif-load-"
         )
 
     def hook(self, name, real):

@@ -18,7 +18,7 @@ import pytest
 from fakes import WAIT_S
 from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wait_until
 
-from semif_serve.boot import check_source
+from semif_serve.engine.boot import check_source
 from semif_serve.errors import BadManagementRequest, InsufficientMemory, ModelLoadFailed
 
 GIB = 1 << 30

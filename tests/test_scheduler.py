@@ -22,7 +22,7 @@ from fakes import AUTH, WAIT_S, FakeScorer, fake_runtime, row, settings
 from falcon import testing
 from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
 from semif_serve.errors import ClientGone, ModelLoadFailed, OutOfMemory, QueueTimedOut
 from semif_serve.http import create_app
 from semif_serve.runtime.device import DeviceQueue

@@ -17,9 +17,10 @@ from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_runtime, row, setting
 from falcon import testing
 from runtime_fixtures import Held, runtime, spec, wait_until
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
 from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut, ScoringFailed
 from semif_serve.http import create_app
+from semif_serve.http.environ import CLIENT_GONE_KEY
 from semif_serve.runtime.jobs import Job, forwards
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.selection import Cost, cost_of, gather_ends
@@ -27,7 +28,6 @@ from semif_serve.runtime.service import DecisionService
 from semif_serve.runtime.waiting import NEVER, Deadline
 from semif_serve.scoring import PromptRejected, parse_row
 from semif_serve.scoring.inputs import Batched, Forward
-from semif_serve.sockets import CLIENT_GONE_KEY
 
 BATCHING = {"max_batch_rows": 4, "max_batch_tokens": 1000}
 

@@ -74,7 +74,13 @@ INPUTS = {
     "text": TICKET,
     "messages": [
         {"role": "developer", "content": [{"type": "input_text", "text": "Classify the ticket."}]},
-        {"role": "user", "content": [{"type": "input_text", "text": TICKET}, {"type": "input_json", "data": {"order": 17}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": TICKET},
+                {"type": "input_json", "data": {"order": 17}},
+            ],
+        },
         {"role": "assistant", "content": "Noted."},
     ],
     "tools": [
@@ -151,7 +157,11 @@ def test_every_question_type_is_answered_in_order_with_the_uniform_fakes_values(
     assert [type(p.value) for p in boolean_first.probabilities] == [bool, str]
     assert isinstance(urgency, AnswerAnswerResourceScore)
     assert urgency.score == pytest.approx(1.0) and urgency.confidence == 0.0
-    assert [(p.label, p.value) for p in urgency.probabilities] == [("low", 0), ("mid", 1), ("high", 2)]
+    assert [(p.label, p.value) for p in urgency.probabilities] == [
+        ("low", 0),
+        ("mid", 1),
+        ("high", 2),
+    ]
     assert [p.probability for p in urgency.probabilities] == [pytest.approx(1 / 3)] * 3
     assert decision.usage.model_dump() == USAGE
     assert decision.model == "default"
@@ -160,7 +170,12 @@ def test_every_question_type_is_answered_in_order_with_the_uniform_fakes_values(
 def test_typed_values_are_typed_on_the_wire_and_every_float_is_a_json_float(server):
     _, raw = decide(server)
     answers = json.loads(raw.content)["answers"]
-    assert [choice["value"] for choice in answers[1]["probabilities"]] == ["true", True, "false", False]
+    assert [choice["value"] for choice in answers[1]["probabilities"]] == [
+        "true",
+        True,
+        "false",
+        False,
+    ]
     assert answers[1]["choice"] == "true" and answers[2]["choice"] is True
     floats = [answers[0]["probability"], answers[1]["confidence"], answers[3]["score"]]
     floats += [p["probability"] for answer in answers[1:4] for p in answer["probabilities"]]
@@ -170,7 +185,10 @@ def test_typed_values_are_typed_on_the_wire_and_every_float_is_a_json_float(serv
 
 @pytest.mark.parametrize("questions", [1, 3, 9, 70])  # 70: two shared calls (64 each at most)
 def test_usage_counts_the_state_once_and_each_questions_own_tokens(server, questions):
-    many = [{"type": "predicate", "name": f"q{n}", "instructions": f"Is it case {n}?"} for n in range(questions)]
+    many = [
+        {"type": "predicate", "name": f"q{n}", "instructions": f"Is it case {n}?"}
+        for n in range(questions)
+    ]
     decision, _ = decide(server, many)
     assert [answer.name for answer in decision.answers] == [f"q{n}" for n in range(questions)]
     usage = decision.usage
@@ -203,9 +221,14 @@ def test_the_prompt_cache_and_safety_options_are_accepted(server):
 def test_the_sdk_exposes_the_request_id(server):
     with client(server[0]) as sdk:
         decision = sdk.decisions.create(
-            model="gpt-6-luna", input=TICKET, questions=ONE, extra_headers={"X-Request-Id": "sdk-d-1"}
+            model="gpt-6-luna",
+            input=TICKET,
+            questions=ONE,
+            extra_headers={"X-Request-Id": "sdk-d-1"},
         )
-        generated = sdk.decisions.with_raw_response.create(model="default", input=TICKET, questions=ONE)
+        generated = sdk.decisions.with_raw_response.create(
+            model="default", input=TICKET, questions=ONE
+        )
     assert decision._request_id == "sdk-d-1"
     assert re.fullmatch(r"[0-9a-f]{32}", generated.request_id)
     assert generated.headers["x-typesafe-request-id"] == generated.request_id
@@ -226,7 +249,9 @@ def check_error(error, status: int, code: str, kind: str, param=None) -> dict:
 
 def test_a_wrong_key_is_the_sdks_authentication_error(server):
     with pytest.raises(openai.AuthenticationError) as caught:
-        decide(server, ONE, api_key="wrong-" + "k" * 34, extra_headers={"X-Request-Id": "sdk-d-401"})
+        decide(
+            server, ONE, api_key="wrong-" + "k" * 34, extra_headers={"X-Request-Id": "sdk-d-401"}
+        )
     check_error(caught.value, 401, "unauthorized", "authentication_error")
     assert caught.value.request_id == "sdk-d-401"
 
@@ -240,12 +265,22 @@ def test_an_unknown_model_is_the_sdks_not_found_error(server):
 
 def test_sixteen_options_the_letters_a_to_p_are_scored(server):
     sixteen = [
-        {"type": "choice", "instructions": "Which?", "choices": [{"value": f"c{n}"} for n in range(16)]},
-        {"type": "score", "instructions": "How?", "levels": [{"label": f"level {n}"} for n in range(16)]},
+        {
+            "type": "choice",
+            "instructions": "Which?",
+            "choices": [{"value": f"c{n}"} for n in range(16)],
+        },
+        {
+            "type": "score",
+            "instructions": "How?",
+            "levels": [{"label": f"level {n}"} for n in range(16)],
+        },
     ]
     decision, _ = decide(server, sixteen)
     pick, rate = decision.answers
-    assert [(p.value, p.probability) for p in pick.probabilities] == [(f"c{n}", 0.0625) for n in range(16)]
+    assert [(p.value, p.probability) for p in pick.probabilities] == [
+        (f"c{n}", 0.0625) for n in range(16)
+    ]
     assert rate.score == pytest.approx(7.5) and rate.probabilities[15].label == "level 15"
 
 
@@ -259,16 +294,67 @@ def choice(choices):
 @pytest.mark.parametrize(
     ("input", "questions", "code", "param"),
     [
-        (TICKET, choice([{"value": f"c{n}"} for n in range(17)]), "option_count_unsupported", "questions[1].choices"),
-        (TICKET, [*ONE, {"type": "score", "instructions": "How?", "levels": [{"label": f"{n}"} for n in range(17)]}], "option_count_unsupported", "questions[1].levels"),
+        (
+            TICKET,
+            choice([{"value": f"c{n}"} for n in range(17)]),
+            "option_count_unsupported",
+            "questions[1].choices",
+        ),
+        (
+            TICKET,
+            [
+                *ONE,
+                {
+                    "type": "score",
+                    "instructions": "How?",
+                    "levels": [{"label": f"{n}"} for n in range(17)],
+                },
+            ],
+            "option_count_unsupported",
+            "questions[1].levels",
+        ),
         (TICKET, choice([{"value": "only"}]), "invalid_request", "questions[1].choices"),
-        (TICKET, choice([{"value": "a"}, {"value": "a"}]), "invalid_request", "questions[1].choices[1].value"),
-        ([{"role": "user", "content": [{"type": "input_text", "text": "Look:"}, IMAGE]}], ONE, "invalid_request", "input[0].content[1]"),
-        (TICKET, [*ONE, {"type": "predicate", "instructions": [IMAGE]}], "invalid_request", "questions[1].instructions[0]"),
-        (TICKET, [*ONE, {"type": "predicate", "instructions": ""}], "invalid_request", "questions[1].instructions"),
-        (TICKET, [*ONE, {"type": "predicate", "instructions": [{"type": "input_text", "text": " "}]}], "invalid_request", "questions[1].instructions"),
+        (
+            TICKET,
+            choice([{"value": "a"}, {"value": "a"}]),
+            "invalid_request",
+            "questions[1].choices[1].value",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "input_text", "text": "Look:"}, IMAGE]}],
+            ONE,
+            "invalid_request",
+            "input[0].content[1]",
+        ),
+        (
+            TICKET,
+            [*ONE, {"type": "predicate", "instructions": [IMAGE]}],
+            "invalid_request",
+            "questions[1].instructions[0]",
+        ),
+        (
+            TICKET,
+            [*ONE, {"type": "predicate", "instructions": ""}],
+            "invalid_request",
+            "questions[1].instructions",
+        ),
+        (
+            TICKET,
+            [*ONE, {"type": "predicate", "instructions": [{"type": "input_text", "text": " "}]}],
+            "invalid_request",
+            "questions[1].instructions",
+        ),
     ],
-    ids=["17-choices", "17-levels", "one-choice", "same-value-twice", "input-image", "image-instructions", "empty-instructions", "blank-instructions"],
+    ids=[
+        "17-choices",
+        "17-levels",
+        "one-choice",
+        "same-value-twice",
+        "input-image",
+        "image-instructions",
+        "empty-instructions",
+        "blank-instructions",
+    ],
 )
 def test_a_request_the_server_cannot_score_is_the_sdks_unprocessable_entity_error(
     server, input, questions, code, param
@@ -340,7 +426,9 @@ def test_a_refused_call_is_retried_after_the_servers_retry_after_and_answered(
     assert statuses[0] == refusal and statuses[-1] == 200, statuses
     assert set(statuses[:-1]) == {refusal}
     # Each wait is the server's retry-after-ms (1000), not the SDK's own backoff (0.5 s at first).
-    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Retrying request in")]
+    waits = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("Retrying request in")
+    ]
     assert waits and all(w.startswith("Retrying request in 1.000000 seconds") for w in waits), waits
     assert len(waits) == len(statuses) - 1
     assert call.seconds >= 1.0
@@ -394,7 +482,9 @@ def test_a_zstd_bomb_is_413_and_never_inflated_past_the_limit(server):
     )
     assert status == 413, reply
     assert reply["error"]["code"] == "request_too_large"
-    assert f"decodes (zstd) to more than the limit of {BODY_LIMIT} bytes" in reply["error"]["message"]
+    assert (
+        f"decodes (zstd) to more than the limit of {BODY_LIMIT} bytes" in reply["error"]["message"]
+    )
     assert headers["connection"] == "close"
     assert grown < 32 * MiB, f"the worker's memory peaked {grown / MiB:.0f} MiB higher"
     assert server[0].request("GET", "/health")[0] == 200

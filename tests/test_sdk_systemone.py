@@ -67,7 +67,8 @@ QUESTIONS = {
         criteria={"calm": None, "angry": "An upset message", "mixed": {"both": True}},
     ),
     "urgency": Score(
-        instructions="How urgent is it?", criteria=["Can wait", {"when": "today"}, "Now", "Yesterday"]
+        instructions="How urgent is it?",
+        criteria=["Can wait", {"when": "today"}, "Now", "Yesterday"],
     ),
 }
 RAW_QUESTIONS = {  # the same questions as the wire's dicts
@@ -239,16 +240,50 @@ def test_sixteen_options_the_letters_a_to_p_are_scored(server):
 @pytest.mark.parametrize(
     ("questions", "code", "param"),
     [
-        ({"many": Choice(instructions="Which?", criteria=SEVENTEEN)}, "option_count_unsupported", "questions.many.criteria"),
-        ({"many": {"type": "score", "instructions": "How?", "criteria": [f"{n}" for n in range(17)]}}, "option_count_unsupported", "questions.many.criteria"),
-        ({"one": Choice(instructions="Which?", criteria={"only": None})}, "invalid_request", "questions.one.criteria"),
+        (
+            {"many": Choice(instructions="Which?", criteria=SEVENTEEN)},
+            "option_count_unsupported",
+            "questions.many.criteria",
+        ),
+        (
+            {
+                "many": {
+                    "type": "score",
+                    "instructions": "How?",
+                    "criteria": [f"{n}" for n in range(17)],
+                }
+            },
+            "option_count_unsupported",
+            "questions.many.criteria",
+        ),
+        (
+            {"one": Choice(instructions="Which?", criteria={"only": None})},
+            "invalid_request",
+            "questions.one.criteria",
+        ),
         ({"dog": Box(instructions="The dog")}, "invalid_request", "questions.dog"),
         ({"blank": Noul(instructions="")}, "invalid_request", "questions.blank.instructions"),
-        ({"blank": {"type": "score", "instructions": "  ", "criteria": ["a", "b"]}}, "invalid_request", "questions.blank.instructions"),
+        (
+            {"blank": {"type": "score", "instructions": "  ", "criteria": ["a", "b"]}},
+            "invalid_request",
+            "questions.blank.instructions",
+        ),
         # The SDK lets a described side stand in for instructions; upstream's mapping refuses it.
-        ({"rain": Noul(criteria={"true": "It rains"})}, "invalid_request", "questions.rain.instructions"),
+        (
+            {"rain": Noul(criteria={"true": "It rains"})},
+            "invalid_request",
+            "questions.rain.instructions",
+        ),
     ],
-    ids=["17-choices", "17-levels", "one-choice", "box", "empty-instructions", "blank-instructions", "no-instructions"],
+    ids=[
+        "17-choices",
+        "17-levels",
+        "one-choice",
+        "box",
+        "empty-instructions",
+        "blank-instructions",
+        "no-instructions",
+    ],
 )
 def test_a_question_the_server_cannot_score_is_the_sdks_unprocessable_entity_error(
     server, questions, code, param
@@ -264,7 +299,9 @@ def tiny_png() -> bytes:
     """A valid 1x1 PNG."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)
     pixels = chunk(b"IDAT", zlib.compress(b"\0\xff\x00\x00"))
@@ -275,9 +312,13 @@ def test_an_image_asset_is_the_sdks_unprocessable_entity_error_and_the_client_go
     photo = Image(tiny_png())
     with client(server[0], retry=NO_RETRIES) as sdk:
         with pytest.raises(TypeSafeUnprocessableEntityError) as caught:
-            sdk.system_one(state=f"The photo: {photo}", questions=QUESTIONS, assets={"photo": photo})
+            sdk.system_one(
+                state=f"The photo: {photo}", questions=QUESTIONS, assets={"photo": photo}
+            )
         reply = sdk.system_one(state=STATE, questions=QUESTIONS)  # the same connection pool
-    envelope = check_envelope(caught.value, 422, "invalid_request", "invalid_request_error", "assets")
+    envelope = check_envelope(
+        caught.value, 422, "invalid_request", "invalid_request_error", "assets"
+    )
     assert "text-only model" in envelope["message"]
     assert reply.usage.model_dump() == USAGE
 
@@ -395,8 +436,16 @@ def test_a_raw_gzip_or_zstd_body_is_answered_as_the_same_body_uncompressed(serve
     ("encoding", "data", "problem"),
     [
         ("zstd", b"(\xb5/\xfd not a frame", "not valid zstd data"),
-        ("zstd", zstd.compress(json.dumps(BODY).encode())[:-8], "the zstd stream ends inside a frame"),
-        ("gzip", gzip.compress(json.dumps(BODY).encode())[:-12], "the gzip stream ends inside a frame"),
+        (
+            "zstd",
+            zstd.compress(json.dumps(BODY).encode())[:-8],
+            "the zstd stream ends inside a frame",
+        ),
+        (
+            "gzip",
+            gzip.compress(json.dumps(BODY).encode())[:-12],
+            "the gzip stream ends inside a frame",
+        ),
         ("gzip", b"\x1f\x8b not gzip", "not valid gzip data"),
     ],
     ids=["damaged-zstd", "truncated-zstd", "truncated-gzip", "damaged-gzip"],
@@ -423,7 +472,9 @@ def test_a_zstd_bomb_is_413_and_never_inflated_past_the_limit(server):
     )
     assert status == 413, reply
     assert reply["error"]["code"] == "request_too_large"
-    assert f"decodes (zstd) to more than the limit of {BODY_LIMIT} bytes" in reply["error"]["message"]
+    assert (
+        f"decodes (zstd) to more than the limit of {BODY_LIMIT} bytes" in reply["error"]["message"]
+    )
     assert headers["connection"] == "close"
     assert grown < 32 * MiB, f"the worker's memory peaked {grown / MiB:.0f} MiB higher"
     assert server[0].request("GET", "/health")[0] == 200

@@ -13,8 +13,8 @@ from live_server import LiveServer, real_env, semif_serve_command
 from rows_factory import STATE
 from test_snapshot_manifest import flip_byte, zero_block
 
-from semif_serve import builtin, snapshot_manifest
-from semif_serve.loading import ModelLoadError, load_model
+from semif_serve.engine import builtin, snapshot_manifest
+from semif_serve.engine.loading import ModelLoadError, load_model
 from semif_serve.scoring import score
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_a_one_byte_flip_is_converted_again_and_scores_as_before(
             shutil.copyfile(pristine / name, work / name)
 
     monkeypatch.setattr(builtin, "_dequantise", dequantise)
-    with caplog.at_level(logging.WARNING, logger="semif_serve.builtin"):
+    with caplog.at_level(logging.WARNING, logger="semif_serve.engine.builtin"):
         loaded = load_model(builtin.SMOLLM2, cache_dir=cache)
     assert converted == [builtin.gguf_path()]
     (warning,) = caplog.records

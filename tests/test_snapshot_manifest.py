@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from semif_serve import builtin, snapshot_manifest
-from semif_serve.snapshot_manifest import (
+from semif_serve.engine import builtin, snapshot_manifest
+from semif_serve.engine.snapshot_manifest import (
     MARKER,
     ManifestError,
     build,
@@ -171,7 +171,7 @@ def test_a_snapshot_converts_when_missing_then_is_checked_and_reused(tmp_path, m
     calls = []
     monkeypatch.setattr(builtin, "_dequantise", fake_dequantise(calls))
     folder = tmp_path / "smollm2-135m" / "0.1.2-b179c9523d0e6a0f"
-    with caplog.at_level(logging.WARNING, logger="semif_serve.builtin"):
+    with caplog.at_level(logging.WARNING, logger="semif_serve.engine.builtin"):
         manifest = builtin.checked_snapshot(tmp_path / "x.gguf", folder)
         assert builtin.checked_snapshot(tmp_path / "x.gguf", folder) == manifest
     assert len(calls) == 1 and not caplog.records  # a first conversion is no warning
@@ -197,7 +197,7 @@ def test_a_snapshot_that_differs_from_its_manifest_is_converted_again_with_one_w
     damage(folder)
     calls = []
     monkeypatch.setattr(builtin, "_dequantise", fake_dequantise(calls))
-    with caplog.at_level(logging.WARNING, logger="semif_serve.builtin"):
+    with caplog.at_level(logging.WARNING, logger="semif_serve.engine.builtin"):
         manifest = builtin.checked_snapshot(tmp_path / "x.gguf", folder)
     assert len(calls) == 1
     (warning,) = caplog.records

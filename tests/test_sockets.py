@@ -1,4 +1,4 @@
-"""The client socket as the worker's threads see it (semif_serve/sockets.py), on socketpairs:
+"""The client socket as the worker's threads see it (semif_serve/worker/sockets.py), on socketpairs:
 the wire-byte budget of a body, `100 Continue` at the first body read, the reply buffer, and the
 check for a client that has gone (issue 21)."""
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 
 from semif_serve.errors import RequestTooLarge
-from semif_serve.sockets import CONTINUE, DeadlineSocket, ReplyBuffer, peer_gone
+from semif_serve.worker.sockets import CONTINUE, DeadlineSocket, ReplyBuffer, peer_gone
 
 
 def test_a_new_reader_has_no_deadline_no_budget_and_no_continue(pair):

@@ -20,8 +20,13 @@ from falcon import testing
 from live_server import free_port
 from serve_poisoned import poisoned
 
-from semif_serve.boot import StartupError, build_engine, check_finite_warm_up, non_finite_scores
-from semif_serve.engine import Engine
+from semif_serve.engine.boot import (
+    StartupError,
+    build_engine,
+    check_finite_warm_up,
+    non_finite_scores,
+)
+from semif_serve.engine.engine import Engine
 from semif_serve.http import create_app
 from semif_serve.runtime.service import SEMIF_COMMIT, DecisionService
 from semif_serve.runtime.specs import default_spec

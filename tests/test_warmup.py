@@ -8,9 +8,9 @@ import torch
 from rows_factory import make_rows
 from tiny_models import byte_tokenizer, tiny_llama, tiny_qwen35
 
+from semif_serve.engine.warmup import plan, warm_up_shapes
 from semif_serve.scoring import ModelInfo, PromptRejected, ScoringModel, score, score_shared
 from semif_serve.scoring.shapes import DEFAULT, Buckets
-from semif_serve.warmup import plan, warm_up_shapes
 
 INFO = ModelInfo(source="test:tiny", revision="seed-0", dtype="float32", device="cpu")
 # Small enough for the CPU: lengths 32, 64, 96, 128, 192, 256, 384, 512; rows 1, 2, 4, 8, 16.
@@ -137,7 +137,7 @@ def test_without_buckets_warm_up_runs_nothing(tiny_qwen):
 
 
 def test_a_shape_that_runs_out_of_memory_is_reported_and_skipped(monkeypatch, tiny_qwen):
-    import semif_serve.warmup as warmup
+    import semif_serve.engine.warmup as warmup
 
     def direct(model, length, buckets):
         if length > 64:
@@ -156,7 +156,7 @@ def test_a_shape_that_runs_out_of_memory_is_reported_and_skipped(monkeypatch, ti
 def test_a_batched_shape_that_runs_out_of_memory_is_reported_and_not_counted(
     monkeypatch, tiny_qwen
 ):
-    import semif_serve.warmup as warmup
+    import semif_serve.engine.warmup as warmup
 
     def batched(model, rows, width):
         if rows * width > 256:
@@ -186,7 +186,7 @@ def test_build_engine_warms_every_shape_when_buckets_are_on(monkeypatch, qwen_to
     from fakes import settings
 
     import semif_serve.scoring.shapes as shapes_module
-    from semif_serve.boot import build_engine
+    from semif_serve.engine.boot import build_engine
 
     monkeypatch.setattr(shapes_module, "ON_CPU_DEFAULT", True)
     monkeypatch.setattr(shapes_module, "DEFAULT", TABLE)

@@ -1,5 +1,5 @@
 """The worker's pure pieces, without gunicorn running: when a head is complete enough to hand to
-a thread, and the socket whose reads end at the body deadline (semif_serve/worker.py)."""
+a thread, and the socket whose reads end at the body deadline (semif_serve/worker/worker.py)."""
 
 import socket
 import threading
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from semif_serve.sockets import DeadlineSocket
-from semif_serve.worker import head_ready
+from semif_serve.worker.sockets import DeadlineSocket
+from semif_serve.worker.worker import head_ready
 
 
 @pytest.mark.parametrize(

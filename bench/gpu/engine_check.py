@@ -51,8 +51,8 @@ def long_row(tokenizer, max_tokens: int) -> dict:
 def main() -> int:
     import torch
 
-    from semif_serve.boot import build_engine
     from semif_serve.config import Settings
+    from semif_serve.engine.boot import build_engine
     from semif_serve.scoring import parse_row
 
     if not torch.cuda.is_available():

@@ -74,7 +74,7 @@ def main() -> int:
         save_random_snapshot(Path(args.folder), args.smoke)
         return 0
     if args.child:
-        from semif_serve.kernel_cache import configure
+        from semif_serve.engine.kernel_cache import configure
 
         configure()  # before torch loads: the serving run's caches (SEMIF_KERNEL_CACHE_DIR)
         if args.child == "reference":
@@ -215,7 +215,7 @@ def load(smoke: bool):
     if smoke:
         info = ModelInfo("bench:tiny-qwen3.5", "seed-0", "float32", "cpu")
         return ScoringModel(tiny_qwen35(), qwen35_tokenizer(), info), "tiny random Qwen3.5 (smoke)"
-    from semif_serve.loading import ModelLoadError, load_model
+    from semif_serve.engine.loading import ModelLoadError, load_model
 
     source = os.environ.get("SEMIF_MODEL", "Qwen/Qwen3.5-4B")
     try:

@@ -32,7 +32,7 @@ from pathlib import Path
 from benchlib import concurrent_callers, p99, spread, timed
 from workloads import distinct_states, make_workload
 
-from semif_serve.kernel_cache import SUBFOLDERS, SWITCHES
+from semif_serve.engine.kernel_cache import SUBFOLDERS, SWITCHES
 
 CACHE_VARIABLES = {*SUBFOLDERS, *SWITCHES}
 TOKEN = "gpu-bench-token-not-served-anywhere-00000"

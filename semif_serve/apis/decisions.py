@@ -16,6 +16,7 @@ order with their `name`.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from semif_serve.apis.mapping import (
 )
 from semif_serve.errors import InvalidRequest
 from semif_serve.session import parse_session
+from semif_serve.state_key import state_json
 
 REQUEST_KEYS = frozenset(
     {
@@ -87,6 +89,7 @@ class Request:
     questions: list[Question]
     routing: dict[str, Any]
     session: str | None = None  # prompt_cache_key: the partition its state prefixes are kept in
+    breakpoints: tuple[int, ...] = ()  # where marked input parts end in state_json(state)
 
 
 def parse(body: dict[str, Any]) -> Request:
@@ -107,7 +110,8 @@ def parse(body: dict[str, Any]) -> Request:
     check_question_count(len(questions))
     parsed = [_question(index, question) for index, question in enumerate(questions)]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
-    return Request(model, rendered_input(body["input"]), parsed, routing, session)
+    state, breakpoints = marked_ends(rendered_input(body["input"]))
+    return Request(model, state, parsed, routing, session, breakpoints)
 
 
 def _cache_options(options: Any) -> None:
@@ -128,6 +132,44 @@ def rendered_input(value: Any) -> Any:
         raise InvalidRequest("input: must be a string or a nonempty array of items")
     calls: dict[str, str] = {}  # call_id -> its call's item type
     return [_item(item, f"input[{index}]", calls) for index, item in enumerate(value)]
+
+
+class _Marked(str):
+    """An input part's text that carries `prompt_cache_breakpoint` (until `marked_ends`)."""
+
+
+def marked_ends(state: Any) -> tuple[Any, tuple[int, ...]]:
+    """(the rendered state with its marked texts as plain strings, where each marked text ends
+    in `state_json(state)`, in order). Each marked text is followed by a sentinel the caller
+    cannot know; the sentinels' places in that text, less the sentinels before them, are the
+    ends in the state's own."""
+    if not isinstance(state, list):
+        return state, ()
+    sentinel = f"\x00{secrets.token_hex(8)}\x00"
+    plain = [_texts(item, str) for item in state]
+    found = state_json([_texts(item, lambda text: _sentinel(text, sentinel)) for item in state])
+    escaped = state_json(sentinel)[1:-1]
+    ends, at = [], found.find(escaped)
+    while at >= 0:
+        ends.append(at - len(ends) * len(escaped))
+        at = found.find(escaped, at + len(escaped))
+    return plain, tuple(ends)
+
+
+def _sentinel(text: Any, sentinel: str) -> Any:
+    return text + sentinel if isinstance(text, _Marked) else text
+
+
+def _texts(item: dict[str, Any], text: Any) -> dict[str, Any]:
+    """`item` with `text` applied to each of its content's or output's parts."""
+    mapped = dict(item)
+    for key in ("content", "output"):
+        value = mapped.get(key)
+        if isinstance(value, list):
+            mapped[key] = [text(part) if isinstance(part, str) else part for part in value]
+        elif isinstance(value, str):
+            mapped[key] = text(value)
+    return mapped
 
 
 def _item(item: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
@@ -198,7 +240,9 @@ def _part(part: Any, where: str, allowed: frozenset[str]) -> Any:
     if breakpoint_ is not None and breakpoint_ != BREAKPOINT:
         raise InvalidRequest(f'{where}.prompt_cache_breakpoint: must be {{"mode": "explicit"}}')
     text = _string(part, field, where, nonempty=False)
-    return {"refusal": text} if kind == "refusal" else text
+    if kind == "refusal":
+        return {"refusal": text}
+    return text if breakpoint_ is None else _Marked(text)
 
 
 def _string(item: dict[str, Any], key: str, where: str, nonempty: bool = True) -> str:

@@ -235,6 +235,4 @@ def check_keys(value: Any, allowed: frozenset[str], where: str) -> dict[str, Any
 
 
 def refuse_image(where: str) -> InvalidRequest:
-    return InvalidRequest(
-        f"{where}: images are not supported: this server runs a text-only model"
-    )
+    return InvalidRequest(f"{where}: images are not supported: this server runs a text-only model")

@@ -60,6 +60,7 @@ class Request:
     questions: list[Question]
     routing: dict[str, Any]  # passed to the service as it is (`timeout_s`)
     session: str | None = None  # System One names none: X-Semif-Session only
+    breakpoints: tuple[int, ...] = ()  # nor marks any prefix
 
 
 def parse(body: dict[str, Any]) -> Request:

@@ -9,15 +9,15 @@ import falcon
 from semif_serve.http.ecosystem import Decisions, SystemOne
 from semif_serve.http.errors import ECOSYSTEM_ROUTES, handle_error
 from semif_serve.http.management import BulkUnload, Model, Models, ModelUnload
+from semif_serve.http.metrics import Metrics
 from semif_serve.http.middleware import Admission, BearerAuth, InProgress, RequestLog
 from semif_serve.http.resources import Decide, DecideShared, Health, MetricsPage
-from semif_serve.metrics import Metrics
 from semif_serve.runtime.admission import InFlightLimit
 from semif_serve.runtime.service import DecisionService
 
 
 class ServingApp(falcon.App):
-    """falcon.App plus what the gunicorn worker (semif_serve/worker.py) reports to: `in_progress`,
+    """falcon.App plus what the gunicorn worker (semif_serve/worker/) reports to: `in_progress`,
     the requests inside it now (it names those its shutdown grace period cuts off), and
     `metrics` (it counts the replies it could not deliver)."""
 

@@ -84,7 +84,7 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
 def _read_chunk(stream: IO[bytes], want: int) -> bytes:
     try:
         return stream.read(want)
-    except TimeoutError:  # the server's body deadline (semif_serve/worker.py) passed
+    except TimeoutError:  # the server's body deadline (semif_serve/worker/worker.py) passed
         raise RequestTimeout(
             "the body did not arrive within the server's deadline (SEMIF_BODY_TIMEOUT_S)"
         ) from None

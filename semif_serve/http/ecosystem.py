@@ -21,9 +21,9 @@ from semif_serve.apis.mapping import answered, refuse_image
 from semif_serve.errors import ModelNotFound
 from semif_serve.http.body import read_body, read_json_object
 from semif_serve.http.encoding import coding
+from semif_serve.http.environ import CLIENT_GONE_KEY
 from semif_serve.http.resources import accepted_state_key, send_json, session_of
 from semif_serve.runtime.service import DecisionService
-from semif_serve.sockets import CLIENT_GONE_KEY
 
 
 class _Format:
@@ -40,16 +40,15 @@ class _Format:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._refuse_attachments(req)
         header_session = session_of(req)
-        request = self.translator.parse(
-            read_json_object(req.env, self._limit, unique_keys=True)
-        )
+        request = self.translator.parse(read_json_object(req.env, self._limit, unique_keys=True))
         session = request.session or header_session  # the body's prompt_cache_key wins
         req.context.state_key = accepted_state_key({"state": request.state})
         model = self._model(request.model)
         gone = req.env.get(CLIENT_GONE_KEY)
 
         def decide_shared(body: dict[str, Any]) -> dict[str, Any]:
-            return self._service.decide_shared({**body, "model": model}, gone, session).body
+            body = {**body, "model": model}
+            return self._service.decide_shared(body, gone, session, request.breakpoints).body
 
         scored = answered(
             request.state,

@@ -28,7 +28,7 @@ from semif_serve.errors import (
     Unauthorized,
     UnsupportedEncoding,
 )
-from semif_serve.metrics import ABANDONED
+from semif_serve.http.metrics import ABANDONED
 
 log = logging.getLogger(__name__)
 

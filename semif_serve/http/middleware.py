@@ -14,7 +14,7 @@ from time import perf_counter
 import falcon
 
 from semif_serve.errors import Unauthorized
-from semif_serve.metrics import Metrics
+from semif_serve.http.metrics import Metrics
 from semif_serve.runtime.admission import InFlightLimit
 from semif_serve.state_key import STATE_KEY_HEADER
 

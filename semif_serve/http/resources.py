@@ -17,11 +17,11 @@ import falcon
 
 from semif_serve.errors import ScoringFailed
 from semif_serve.http.body import read_json_object
-from semif_serve.metrics import CONTENT_TYPE, Metrics
+from semif_serve.http.environ import CLIENT_GONE_KEY
+from semif_serve.http.metrics import CONTENT_TYPE, Metrics
 from semif_serve.runtime.service import DecisionService, Outcome
 from semif_serve.scoring.rows import InvalidRow, parse_state
 from semif_serve.session import SESSION_HEADER, parse_session
-from semif_serve.sockets import CLIENT_GONE_KEY
 from semif_serve.state_key import state_key
 
 log = logging.getLogger(__name__)

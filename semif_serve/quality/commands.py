@@ -126,9 +126,9 @@ def _reference_in(folder: Path, model: dict[str, Any]) -> Path:
 def _guard(work) -> int:
     """Run `work` with an ExitStack that closes what it opened (the HTTP client); the expected
     failures become one line on stderr and exit status 2."""
-    from semif_serve.builtin import BuiltinModelError
     from semif_serve.client import SemifError
-    from semif_serve.loading import ModelLoadError
+    from semif_serve.engine.builtin import BuiltinModelError
+    from semif_serve.engine.loading import ModelLoadError
     from semif_serve.quality.calibrate import CalibrationFileError
     from semif_serve.quality.labelled import LabelledDataError
 
@@ -192,7 +192,7 @@ def _backend(args: argparse.Namespace, stack: ExitStack):
         return HttpBackend(stack.enter_context(_client(args)))
     if args.results is not None:
         return SavedResults(args.results)
-    from semif_serve.loading import load_model
+    from semif_serve.engine.loading import load_model
 
     model = load_model(args.model, args.revision, dtype=args.dtype, device=args.device)
     return LocalBackend(model, args.max_tokens)

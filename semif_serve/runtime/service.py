@@ -127,8 +127,10 @@ class DecisionService:
         body: dict[str, Any],
         client_gone: ClientCheck | None = None,
         session: str | None = None,
+        breakpoints: tuple[int, ...] = (),
     ) -> Outcome:
-        """/decide/shared (and the ecosystem routes' calls); `session` as for `decide`."""
+        """/decide/shared (and the ecosystem routes' calls); `session` as for `decide`;
+        `breakpoints`: where the caller marked reusable ends of the state (`Row.breakpoints`)."""
         _check_keys(body, SHARED_KEYS, "body")
         workload = self._workload(body)
         if "state" not in body:
@@ -145,7 +147,8 @@ class DecisionService:
             if not isinstance(entry, dict):
                 raise InvalidRequest(f"decisions[{index}]: must be an object")
             _check_keys(entry, DECISION_KEYS, where)
-            decisions.append(_decision({**entry, "state": body["state"]}, where, session))
+            entry = {**entry, "state": body["state"]}
+            decisions.append(_decision(entry, where, session, breakpoints))
         _check_workload_without_orderings(workload, decisions)
         self._check_row_count(decisions)
         _check_unique_ids(decisions)
@@ -231,9 +234,11 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str], where: str) -> No
         )
 
 
-def _decision(body: dict[str, Any], where: str, session: str | None = None) -> _Decision:
+def _decision(
+    body: dict[str, Any], where: str, session: str | None = None, breakpoints: tuple = ()
+) -> _Decision:
     """Validate one decision and expand it into its rows (one, or one per ordering), each in
-    the caller's `session`."""
+    the caller's `session` with its state's `breakpoints`."""
     mode = body.get("orderings", "none")
     if mode not in ORDERINGS:
         raise InvalidRequest(
@@ -241,7 +246,7 @@ def _decision(body: dict[str, Any], where: str, session: str | None = None) -> _
         )
     fields = {key: body[key] for key in ROW_KEYS if key in body}
     try:
-        row = replace(parse_row(fields), cache_key=session)
+        row = replace(parse_row(fields), cache_key=session, breakpoints=breakpoints)
     except InvalidRow as error:
         message = str(error)
         # The shared state is one field of the request, not of each decision.

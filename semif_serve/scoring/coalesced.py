@@ -73,7 +73,8 @@ def score_batch(
             outcomes[index] = Batched(result, len(plain), shape[1], ran)
     for (prefix, session), indices in by_prefix.items():
         group = [inputs[i] for i in indices]
-        cache = prefix_cache.within(session) if _cached(group[0], prefix_cache) else None
+        marks = tuple(sorted({at for item in group for at in item.breakpoints}))
+        cache = prefix_cache.within(session, marks) if _cached(group[0], prefix_cache) else None
         results, timing = _over_prefix(scoring_model, list(prefix), group, buckets, cache)
         width = max(len(item.prompt.ids) for item in group)
         ran = _shared_forward(timing, [item.prompt for item in group])
@@ -195,12 +196,16 @@ def _direct_result(
 ) -> dict[str, Any]:
     """The result the direct scorer gives `item`, from letter logits read in a batch (`reuse`:
     its forward's `prefill.result_reuse`)."""
-    return build_result(
-        item.row,
-        item.prompt,
-        letter_logits,
-        scorer="direct",
-        model=scoring_model.info.as_dict(),
-        forward_seconds=forward_seconds,
-        total_seconds=item.encode_seconds + forward_seconds,
-    ) | reuse | {"prefix_sha256": state_prefix_sha256(item.row, item.prompt.text)}
+    return (
+        build_result(
+            item.row,
+            item.prompt,
+            letter_logits,
+            scorer="direct",
+            model=scoring_model.info.as_dict(),
+            forward_seconds=forward_seconds,
+            total_seconds=item.encode_seconds + forward_seconds,
+        )
+        | reuse
+        | {"prefix_sha256": state_prefix_sha256(item.row, item.prompt.text)}
+    )

@@ -47,7 +47,7 @@ def score(
 
     forward_started = perf_counter()
     if prefix_ids is not None and prefix_cache is not None and prefix_cache.caches(len(prefix_ids)):
-        cache = prefix_cache.within(parsed.cache_key)
+        cache = prefix_cache.within(parsed.cache_key, row.breakpoints)
         logits, timing = shared.forward(model, prefix_ids, [prompt], buckets, cache)
         letter_logits, reuse = logits[0], result_reuse(timing)
     else:
@@ -58,15 +58,19 @@ def score(
         reuse = result_reuse(None)
     forward_seconds = perf_counter() - forward_started
 
-    return build_result(
-        parsed,
-        prompt,
-        letter_logits,
-        scorer="direct",
-        model=scoring_model.info.as_dict(),
-        forward_seconds=forward_seconds,
-        total_seconds=perf_counter() - started,
-    ) | reuse | {"prefix_sha256": shared.state_prefix_sha256(parsed, prompt.text)}
+    return (
+        build_result(
+            parsed,
+            prompt,
+            letter_logits,
+            scorer="direct",
+            model=scoring_model.info.as_dict(),
+            forward_seconds=forward_seconds,
+            total_seconds=perf_counter() - started,
+        )
+        | reuse
+        | {"prefix_sha256": shared.state_prefix_sha256(parsed, prompt.text)}
+    )
 
 
 def _row(row: Row | dict | DirectInput) -> Row | dict:

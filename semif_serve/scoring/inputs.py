@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
+from semif_serve.scoring.breakpoints import breakpoint_positions
 from semif_serve.scoring.prompt import ChatTokenizer, EncodedPrompt, encode_prompt
 from semif_serve.scoring.rows import Row, as_row
 from semif_serve.scoring.shared_prompts import encode_shared, encode_with_prefix
@@ -29,6 +30,7 @@ class DirectInput:
     prefix_ids: list[int] | None  # its state prefix; None: not asked for, or not located
     max_tokens: int
     encode_seconds: float
+    breakpoints: tuple[int, ...] = ()  # positions in prefix_ids the caller marked
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class SharedInput:
     prefix_ids: list[int]
     max_tokens: int
     encode_seconds: float
+    breakpoints: tuple[int, ...] = ()  # positions in prefix_ids the caller marked
 
 
 def direct_input(
@@ -49,18 +52,22 @@ def direct_input(
     state-prefix cache), the state tokenized once for both."""
     started = perf_counter()
     parsed = as_row(row)
+    marks: tuple[int, ...] = ()
     if with_prefix:
         prompt, prefix_ids = encode_with_prefix(tokenizer, parsed, max_tokens)
+        if prefix_ids is not None:
+            marks = breakpoint_positions(tokenizer, parsed, prompt.text, prefix_ids)
     else:
         prompt, prefix_ids = encode_prompt(tokenizer, parsed, max_tokens), None
-    return DirectInput(parsed, prompt, prefix_ids, max_tokens, perf_counter() - started)
+    return DirectInput(parsed, prompt, prefix_ids, max_tokens, perf_counter() - started, marks)
 
 
 def shared_input(tokenizer: ChatTokenizer, rows: list[Row | dict], max_tokens: int) -> SharedInput:
     """Encode rows over one exact state with every guard (`shared_prompts.encode_shared`)."""
     started = perf_counter()
     parsed, prompts, prefix_ids = encode_shared(tokenizer, rows, max_tokens)
-    return SharedInput(parsed, prompts, prefix_ids, max_tokens, perf_counter() - started)
+    marks = breakpoint_positions(tokenizer, parsed[0], prompts[0].text, prefix_ids)
+    return SharedInput(parsed, prompts, prefix_ids, max_tokens, perf_counter() - started, marks)
 
 
 @dataclass(frozen=True, eq=False)

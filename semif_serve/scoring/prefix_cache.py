@@ -34,7 +34,6 @@ goes (two model ids on the same weights share them).
 from __future__ import annotations
 
 import threading
-from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,25 +49,21 @@ from semif_serve.scoring.cache import (
     resumed_at,
     working_copy,
 )
+from semif_serve.scoring.checkpoints import (
+    BREAKPOINT,
+    CHECKPOINT_TOKENS,
+    checkpoint_stops,
+    resume_point,
+)
 from semif_serve.scoring.prefix_tree import PrefixTree
 
 GIB = 1 << 30
 MIN_PREFIX_TOKENS = 128  # shorter prefixes cost less to prefill again than to store and copy
-CHECKPOINT_TOKENS = 1024  # a hybrid entry's checkpoint spacing (SEMIF_PREFIX_CHECKPOINT_TOKENS)
-# A hybrid entry also keeps a checkpoint this many tokens before its end: a state that grew
-# shares its stored prefix up to there. Measured with SmolLM2's and Qwen3.5's tokenizers over
-# text, list and nested JSON states with one event appended (docs/operations.md): the common
-# start ends 0 (text), 0-1 (lists) or 0-2 (nested objects) tokens before the stored end.
-BOUNDARY_TOKENS = 2
 # A new entry supersedes the one it resumed from when that one's ids differ from its own in at
 # most this many last tokens: a grown state (none), or a grown JSON state, whose earlier version
 # ended in closing characters (`"}]}`) where the new one goes on.
 SUPERSEDED_TAIL = 16
 COUNTERS = ("hits", "partial_hits", "misses", "evictions", "reused_tokens", "prefilled_tokens")
-# The kinds of point a call resumes from: a stored entry's end, a cut inside an attention-only
-# entry, and a hybrid entry's checkpoints (periodic, and near its end).
-END, CROP, CHECKPOINT, BOUNDARY = "end", "crop", "checkpoint", "boundary"
-
 # prefill(base, start, stops) -> (cache after all the ids, {stop: linear_checkpoint there}):
 # from `base` (a cache positioned after ids[:start]; None: nothing, start 0), prefilling the
 # rest and taking a checkpoint at each stop when the model has linear-attention layers.
@@ -118,40 +113,12 @@ def _space(entry: _Entry) -> tuple:
     return entry.model, entry.partition
 
 
-def resume_point(entry: _Entry, shared: int) -> tuple[int, str | None, Any]:
-    """Where a call whose ids share `shared` tokens with `entry` can resume: (tokens, kind, the
-    linear states there). The entry's end when it is all shared; an attention-only entry's cut
-    anywhere; a hybrid entry's latest checkpoint inside the shared part, or nowhere (0)."""
-    if shared == len(entry.ids):
-        return shared, END, None
-    if not entry.recurrent:
-        return shared, CROP, None
-    positions = sorted(entry.checkpoints)
-    index = bisect_right(positions, shared)
-    if index == 0:
-        return 0, None, None
-    position = positions[index - 1]
-    kind, states = entry.checkpoints[position]
-    return position, kind, states
-
-
 def _copy(found: _Found) -> Any:
     """A cache positioned where `found` resumes, for a call to consume."""
     entry = found.entry
     if found.tokens == len(entry.ids):
         return working_copy(entry.cache)
     return resumed_at(entry.cache, found.tokens, found.states)
-
-
-def checkpoint_stops(start: int, end: int, every: int, marks: dict[int, str]) -> dict[int, str]:
-    """The positions after `start` and before `end` where a prefill takes checkpoints, and their
-    kinds: every multiple of `every` (0: none), BOUNDARY_TOKENS before the end, and the marked
-    positions."""
-    stops = {}
-    if every > 0:
-        stops = {at: CHECKPOINT for at in range((start // every + 1) * every, end, every)}
-    stops[end - BOUNDARY_TOKENS] = BOUNDARY
-    return {at: kind for at, kind in (stops | marks).items() if start < at < end}
 
 
 class PrefixCache:
@@ -395,15 +362,18 @@ class ModelPrefixCache:
     store: PrefixCache
     model: tuple
     partition: str | None = None  # the session whose entries `resume` finds and stores
+    breakpoints: tuple[int, ...] = ()  # the call's marked prefix positions (a checkpoint each)
 
-    def within(self, partition: str | None) -> ModelPrefixCache:
-        """This view for the calls of session `partition` (None: sessionless calls)."""
-        return replace(self, partition=partition)
+    def within(self, partition: str | None, breakpoints: tuple[int, ...] = ()) -> ModelPrefixCache:
+        """This view for the calls of session `partition` (None: sessionless calls), whose
+        callers marked the prefix positions `breakpoints` (`scoring.breakpoints`)."""
+        return replace(self, partition=partition, breakpoints=breakpoints)
 
     def caches(self, prefix_length: int) -> bool:
         return self.store.caches(prefix_length)
 
-    def resume(self, ids: list[int], prefill: Prefill, marks: dict[int, str] | None = None):
+    def resume(self, ids: list[int], prefill: Prefill):
+        marks = {at: BREAKPOINT for at in self.breakpoints}
         return self.store.resume(self.model, ids, prefill, marks, self.partition)
 
     def stats(self) -> dict[str, int]:

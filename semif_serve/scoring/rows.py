@@ -45,6 +45,9 @@ class Row:
     # The caller's session (X-Semif-Session, or a Decisions request's prompt_cache_key): its
     # stored state prefixes are reused only by calls of the same session. Never in the prompt.
     cache_key: str | None = None
+    # Where the caller marked the end of a prefix it will send again (an OpenAI Decisions
+    # `prompt_cache_breakpoint`): character offsets into `state_key`. Never in the prompt.
+    breakpoints: tuple[int, ...] = ()
 
     @property
     def option_ids(self) -> list[str]:

@@ -3,7 +3,7 @@
 On a GPU each new input shape costs in live traffic: flash-linear-attention's Triton kernels
 autotune for each new `NB = ceil(rows * length / 2048)` (8-9 s each on the H200) and compile
 for each new flattened token count (~60 ms). With buckets, a fixed set of shapes reachable up
-to max_tokens and the largest request can all be run once at start-up (`semif_serve.warmup`).
+to max_tokens and the largest request can all be run once at start-up (`semif_serve.engine.warmup`).
 
 Every bucket is exact, because real tokens never see what is added after them (attention is
 causal, the recurrent layers run left to right) and rows never see each other:
@@ -47,7 +47,7 @@ AUTO: Any = "auto"  # a scorer's `buckets` default: on for CUDA models, off on t
 
 @dataclass(frozen=True)
 class Buckets:
-    """The shape tables one scorer uses; `semif_serve.warmup` runs each shape once."""
+    """The shape tables one scorer uses; `semif_serve.engine.warmup` runs each shape once."""
 
     fine_step: int = 64  # the length step up to `fine_until`
     fine_until: int = 1024

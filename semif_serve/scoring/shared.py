@@ -68,7 +68,9 @@ def score_shared(
     parsed, prompts, prefix_ids = rows.rows, rows.prompts, rows.prefix_ids
 
     model = scoring_model.model
-    cache = None if prefix_cache is None else prefix_cache.within(parsed[0].cache_key)
+    cache = None
+    if prefix_cache is not None:
+        cache = prefix_cache.within(parsed[0].cache_key, rows.breakpoints)
     row_logits, forward_timing = forward(
         model, prefix_ids, prompts, resolve(buckets, model.device), cache
     )

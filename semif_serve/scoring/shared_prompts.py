@@ -295,13 +295,13 @@ def shared_prefix(prefix_ids: list[int], prompts: list[EncodedPrompt]) -> list[i
     """The longest start of `prefix_ids` that every prompt's token ids begin with."""
     length = len(prefix_ids)
     for prompt in prompts:
-        length = min(length, _common_length(prefix_ids, prompt.ids))
+        length = min(length, common_ids_length(prefix_ids, prompt.ids))
     if length == 0:
         raise PromptRejected("shared prefix guard: the prompts share no leading tokens")
     return prefix_ids[:length]
 
 
-def _common_length(left: list[int], right: list[int]) -> int:
+def common_ids_length(left: list[int], right: list[int]) -> int:
     if right[: len(left)] == left:  # the usual case, at C speed
         return min(len(left), len(right))
     for index, (a, b) in enumerate(zip(left, right)):

@@ -1,9 +1,9 @@
-"""Request heads, read in the worker's event loop: a part of the worker (semif_serve/worker.py).
+"""Request heads, read in the worker's event loop: a part of the worker (worker.py).
 
 gunicorn's gthread gives each new connection to a thread, which parses the request on a blocking
 socket with no deadline, so a few slow or silent clients hold every thread and /health stops
 answering (issue 13). Here a request's head (request line and headers) is read without a thread
-until it is complete (then a thread serves the request: semif_serve/handling.py), its deadline
+until it is complete (then a thread serves the request: handling.py), its deadline
 passes (the connection is closed unanswered) or it grows past HEAD_MAX_BYTES (a 431). The
 deadline is SEMIF_HEADER_TIMEOUT_S; a kept-alive connection's next request waits here too, under
 the keep-alive limit until its first byte arrives. gunicorn's own refusals of a head it cannot
@@ -63,8 +63,8 @@ def head_ready(head: bytes | bytearray, start: int = 0) -> bool:
 class HeadReading:
     """Connections in `reading` (the worker's dict), their heads arriving in the event loop,
     each under its `deadline`. Expects gthread's `poller` and `enqueue_req`, the worker's
-    `limits` and `watch`, `drop` (semif_serve/connections.py) and `close_gracefully`
-    (semif_serve/replies.py)."""
+    `limits` and `watch`, `drop` (connections.py) and `close_gracefully`
+    (replies.py)."""
 
     def await_head(self, conn: TConn, data: bytes, deadline: float, idle: bool = False) -> None:
         """`idle`: a kept-alive connection; `deadline` is its idle limit until a byte arrives."""

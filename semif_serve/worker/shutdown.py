@@ -1,4 +1,4 @@
-"""The worker's shutdown on SIGTERM: a part of the worker (semif_serve/worker.py).
+"""The worker's shutdown on SIGTERM: a part of the worker (worker.py).
 
 The listening sockets close at once (new connects are refused), requests inside the app and
 replies still being sent get SEMIF_GRACEFUL_TIMEOUT_S to finish, and idle kept-alive connections
@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from semif_serve.replies import STOP_IDLE_LINGER_S
+from semif_serve.worker.replies import STOP_IDLE_LINGER_S
 
 EXIT_CUT_OFF = 5  # the worker's (and `semif-serve serve`'s) status when requests were cut off
 

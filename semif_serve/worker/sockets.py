@@ -1,4 +1,4 @@
-"""The client socket as the worker's request threads see it (semif_serve/worker.py).
+"""The client socket as the worker's request threads see it (worker.py).
 
 - `DeadlineSocket`: reads end at the request's body deadline and stop at its wire-byte budget
   (chunk framing counted), and `100 Continue` goes out only when the body is first read;
@@ -16,8 +16,6 @@ from typing import Any
 from semif_serve.errors import RequestTooLarge
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-# The WSGI environ key of a request's `peer_gone` check, for the app to call before scoring.
-CLIENT_GONE_KEY = "semif.client_gone"
 # Bytes a body may take on the wire beyond SEMIF_MAX_BODY_BYTES: chunk size lines and the like.
 # A legitimate chunked body spends a few bytes per chunk; one that pads with chunk extensions
 # (8 KB of them per 1-byte chunk) is refused once it has cost this much more than the limit.

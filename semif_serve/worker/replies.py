@@ -1,4 +1,4 @@
-"""Replies and closes in the worker's event loop: a part of the worker (semif_serve/worker.py).
+"""Replies and closes in the worker's event loop: a part of the worker (worker.py).
 
 A request thread leaves its reply in `conn.reply` (a sockets.ReplyBuffer); the loop sends it on
 the non-blocking socket as the client takes it, so a client that never reads holds no thread.
@@ -27,9 +27,9 @@ RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets, dropping u
 
 class ReplyLoop:
     """The event loop's half of a connection after its request: `writing` its reply, then
-    reading the next head (`await_head`, semif_serve/heads.py) or `closing`. Expects gthread's
+    reading the next head (`await_head`, heads.py) or `closing`. Expects gthread's
     `poller`, `log`, `wsgi`, `cfg` and `alive`, the worker's `limits`, `writing`, `closing`,
-    `undelivered_at_stop` and `watch`, and `drop` (semif_serve/connections.py)."""
+    `undelivered_at_stop` and `watch`, and `drop` (connections.py)."""
 
     def finish_request(self, conn: TConn, future: Future) -> None:
         """Back on the loop: send the reply, then serve the connection's next request or

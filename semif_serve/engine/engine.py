@@ -34,8 +34,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
+from semif_serve.engine.oom_policy import is_out_of_memory, relieved, split
 from semif_serve.errors import OutOfMemory, ScoringFailed
-from semif_serve.oom_policy import is_out_of_memory, relieved, split
 from semif_serve.scoring.inputs import Batched
 from semif_serve.scoring.rows import Row, RowError
 

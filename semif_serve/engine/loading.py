@@ -26,7 +26,7 @@ from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from semif_serve import builtin, snapshot_manifest
+from semif_serve.engine import builtin, snapshot_manifest
 from semif_serve.scoring.head import UnsupportedModel
 from semif_serve.scoring.model import ModelInfo, ScoringModel
 from semif_serve.scoring.prefix_attention import ATTENTION_NAME as PREFIX_ATTENTION

@@ -1,15 +1,15 @@
 """The gunicorn worker that owns the model: gthread's thread pool and event loop, with every
 client read and write bounded (issues 13 and 21). It is built from one part per job:
 
-- semif_serve/connections.py: accepting and counting connections, at most SEMIF_MAX_CONNECTIONS
+- connections.py: accepting and counting connections, at most SEMIF_MAX_CONNECTIONS
   (more wait in the kernel's backlog);
-- semif_serve/heads.py: reading each request's head in the event loop, costing no thread, within
+- heads.py: reading each request's head in the event loop, costing no thread, within
   SEMIF_HEADER_TIMEOUT_S;
-- semif_serve/handling.py: the request on a thread, its body reads bounded by
-  SEMIF_BODY_TIMEOUT_S and SEMIF_MAX_BODY_BYTES (semif_serve/sockets.py);
-- semif_serve/replies.py: the reply sent from the event loop within SEMIF_WRITE_TIMEOUT_S, and
+- handling.py: the request on a thread, its body reads bounded by
+  SEMIF_BODY_TIMEOUT_S and SEMIF_MAX_BODY_BYTES (sockets.py);
+- replies.py: the reply sent from the event loop within SEMIF_WRITE_TIMEOUT_S, and
   the lingering close;
-- semif_serve/shutdown.py: on SIGTERM, the grace period SEMIF_GRACEFUL_TIMEOUT_S and the report
+- shutdown.py: on SIGTERM, the grace period SEMIF_GRACEFUL_TIMEOUT_S and the report
   of what it cut off (EXIT_CUT_OFF).
 
 This module holds what the parts share: the limits, where each connection is, its deadline, and
@@ -28,11 +28,16 @@ from typing import Any
 from gunicorn import util as gunicorn_util
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
-from semif_serve.connections import ConnectionAccounting, raise_open_file_limit
-from semif_serve.handling import RequestHandling
-from semif_serve.heads import GUNICORN_ERROR_CODES, HeadReading, head_ready, write_envelope_error
-from semif_serve.replies import ReplyLoop
-from semif_serve.shutdown import EXIT_CUT_OFF, Shutdown
+from semif_serve.worker.connections import ConnectionAccounting, raise_open_file_limit
+from semif_serve.worker.handling import RequestHandling
+from semif_serve.worker.heads import (
+    GUNICORN_ERROR_CODES,
+    HeadReading,
+    head_ready,
+    write_envelope_error,
+)
+from semif_serve.worker.replies import ReplyLoop
+from semif_serve.worker.shutdown import EXIT_CUT_OFF, Shutdown
 
 # semif_serve/server.py configures the worker with these; tests/test_worker.py pins head_ready.
 __all__ = ["EXIT_CUT_OFF", "GUNICORN_ERROR_CODES", "SemifWorker", "ServingLimits", "head_ready"]

@@ -1,10 +1,10 @@
-"""Connections, counted from accept to close: a part of the worker (semif_serve/worker.py).
+"""Connections, counted from accept to close: a part of the worker (worker.py).
 
 The worker holds at most SEMIF_MAX_CONNECTIONS connections (gunicorn's `worker_connections`);
 past it, accepting stops and new ones wait in the kernel's backlog. Each connection is a file
 descriptor: the soft open-file limit is raised to fit them, and running out of descriptors
 pauses accepting for ACCEPT_PAUSE_S instead of spinning on the listening socket. A connection is
-counted in by `accept`, which hands it to the head reader (semif_serve/heads.py), and counted out
+counted in by `accept`, which hands it to the head reader (heads.py), and counted out
 by `drop`, whichever part closes it.
 """
 

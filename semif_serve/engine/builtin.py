@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from semif_serve import snapshot_manifest
+from semif_serve.engine import snapshot_manifest
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""One request on a thread of gthread's pool: a part of the worker (semif_serve/worker.py).
+"""One request on a thread of gthread's pool: a part of the worker (worker.py).
 
-The event loop has read the request's head (semif_serve/heads.py); here a thread parses it and
+The event loop has read the request's head (heads.py); here a thread parses it and
 runs the app:
 - every body read ends at SEMIF_BODY_TIMEOUT_S from the end of the head (http/body.py turns the
   timeout into a 408, a body ending early into a 400) and stops at the bytes a body may take on
@@ -9,7 +9,7 @@ runs the app:
 - the unread body of a request the app answered without reading it is never waited for, and the
   reply says `Connection: close` when the connection will close;
 - the app can ask whether the client is still there (`semif.client_gone` in environ);
-- the reply is kept in a sockets.ReplyBuffer for the event loop to send (semif_serve/replies.py).
+- the reply is kept in a sockets.ReplyBuffer for the event loop to send (replies.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 from gunicorn.http import wsgi
 from gunicorn.workers.gthread import TConn
 
-from semif_serve.sockets import (
-    CLIENT_GONE_KEY,
+from semif_serve.http.environ import CLIENT_GONE_KEY
+from semif_serve.worker.sockets import (
     WIRE_SLACK_BYTES,
     DeadlineSocket,
     ReplyBuffer,
@@ -64,7 +64,7 @@ class RequestHandling:
 
     def handle_request(self, req, conn: TConn) -> bool:
         """Run the app for one request (on a thread) and keep its reply in `conn.reply` for the
-        event loop to send (`finish_request`, semif_serve/replies.py). `100 Continue` is sent
+        event loop to send (`finish_request`, replies.py). `100 Continue` is sent
         only when the app reads the body. Before the reply's head is written, the connection is
         marked to close when the app said `Connection: close`, or left the body unread and its
         rest has not arrived (a 401 or 413 before an upload). Returns whether the connection may

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from semif_serve.oom_policy import ran_out_of_memory
+from semif_serve.engine.oom_policy import ran_out_of_memory
 from semif_serve.scoring import direct, shared
 from semif_serve.scoring.packed import PACKED_CHUNK_TOKENS
 from semif_serve.scoring.prompt import EncodedPrompt

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from semif_serve.engine import Engine
+from semif_serve.engine.engine import Engine
+from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.errors import BadManagementRequest
 from semif_serve.runtime.specs import MAX_SLOTS
 from semif_serve.scoring.rows import parse_row
-from semif_serve.torch_scorer import TorchScorer
 
 GIB = 1 << 30
 WARM_UP_ROW = {
@@ -112,12 +112,12 @@ def check_source(
     usable and its source is here with a config that loads (no weights read, nothing converted).
     Else BadManagementRequest (400) naming the field. Returns the estimated resident bytes of
     its weights in spec.dtype (None: unknown), for the runtime's load-beside decision."""
-    from semif_serve.loading import ModelLoadError
+    from semif_serve.engine.loading import ModelLoadError
 
     if torch_module is None:
         import torch as torch_module
     if inspect is None:
-        from semif_serve.loading import inspect_source as inspect
+        from semif_serve.engine.loading import inspect_source as inspect
     try:
         check_device(resolve_device(spec.device, torch_module), torch_module)
     except StartupError as error:
@@ -146,7 +146,7 @@ def build_engine(
     if torch_module is None:
         import torch as torch_module
     if load is None:
-        from semif_serve.loading import load_model as load
+        from semif_serve.engine.loading import load_model as load
     device = resolve_device(spec.device, torch_module)  # torch only ever sees this one
     check_device(device, torch_module)
     apply_vram_cap(settings.vram_cap_gib, device, torch_module)
@@ -183,7 +183,7 @@ def build_engine(
     if on_gpu:
         torch_module.cuda.reset_peak_memory_stats(device)
         allocated_before = torch_module.cuda.memory_allocated(device)
-    from semif_serve.warmup import warm_up_shapes
+    from semif_serve.engine.warmup import warm_up_shapes
 
     try:
         warm_up = engine.score(parse_row(WARM_UP_ROW))

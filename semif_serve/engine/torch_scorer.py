@@ -15,7 +15,7 @@ import gc
 import logging
 from typing import Any
 
-from semif_serve.oom_policy import bytes_to_drop, shortfall
+from semif_serve.engine.oom_policy import bytes_to_drop, shortfall
 from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput, direct_input, shared_input
 from semif_serve.scoring.length_bound import bytes_per_token
@@ -77,7 +77,7 @@ class TorchScorer:
     def weights_unchanged(self) -> bool:
         """Whether the loaded weights are still what the source holds (a local folder's files
         may have been rewritten since): if not, a reconfigure must load them again."""
-        from semif_serve.loading import weights_unchanged
+        from semif_serve.engine.loading import weights_unchanged
 
         info = self.scoring_model.info
         return weights_unchanged(info.source, info.revision)
