@@ -7,7 +7,6 @@ start (contract "Configuration (env)", bug hunt C1, S1, S2, S8). Nothing here im
 from __future__ import annotations
 
 import hmac
-import json
 import math
 import os
 import re
@@ -16,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from semif_serve.calibration import load_calibration
+from semif_serve.errors import ConfigError
+
 DEFAULT_MODEL = "Qwen/Qwen3.5-4B"
 DEFAULT_REVISION = "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a"
 DEFAULT_BIND = "127.0.0.1:8471"
 MIN_TOKEN_LENGTH = 32
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")  # \d would take any Unicode digit
 DTYPES = ("float32", "bfloat16", "float16")
 # SEMIF_PREFIX_CACHE_GIB's default: on a GPU host ~70 states of ~2k tokens of Qwen3.5-4B; on the
@@ -51,10 +52,6 @@ MAX_BODY_BYTES_LIMIT = 1 << 30
 MAX_QUEUE_LIMIT = 4096  # each admitted request holds a worker thread
 MAX_LOADED_MODELS_LIMIT = 1024
 MAX_CONNECTIONS_LIMIT = 1 << 16
-
-
-class ConfigError(ValueError):
-    """A SEMIF_* variable is missing or invalid; the message starts with its name."""
 
 
 @dataclass(frozen=True)
@@ -365,39 +362,6 @@ def parse_bind(text: str) -> str:
     return text
 
 
-def load_calibration(path: str | None) -> Mapping[str, float]:
-    """`{workload: T}` from a JSON file; each T a finite number (not a bool) in [0.05, 20]."""
-    if path is None:
-        return MappingProxyType({})
-    name = "SEMIF_CALIBRATION"
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{name}: file {path!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{name}: cannot read {path!r}: {error}") from None
-    try:
-        table = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as error:
-        raise ConfigError(f"{name}: {path!r} is not valid JSON: {error}") from None
-    if not isinstance(table, dict):
-        raise ConfigError(f"{name}: {path!r} must hold a JSON object {{workload: temperature}}")
-    for workload, temperature in table.items():
-        if not workload.strip():
-            raise ConfigError(f"{name}: workload names must be nonempty")
-        valid_number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-        if not valid_number or not math.isfinite(temperature):
-            raise ConfigError(
-                f"{name}: temperature of {workload!r} must be a finite number, got {temperature!r}"
-            )
-        if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
-            raise ConfigError(
-                f"{name}: temperature of {workload!r} must be in "
-                f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {temperature!r}"
-            )
-    return MappingProxyType({workload: float(t) for workload, t in table.items()})
-
-
 def parse_revision(env: Mapping[str, str], model: str) -> str | None:
     """SEMIF_REVISION; unset, the default model's pinned commit when SEMIF_MODEL is that model,
     else none: a built-in model and a local folder name their own, and a hub id must pin one."""
@@ -411,7 +375,3 @@ def _nonempty(env: Mapping[str, str], name: str, default: str) -> str:
     if not value.strip():
         raise ConfigError(f"{name}: must not be empty")
     return value
-
-
-def _reject_constant(constant: str) -> None:
-    raise ValueError(f"{constant} is not a JSON number")

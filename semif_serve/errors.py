@@ -4,6 +4,11 @@ Imports nothing, so every layer (runtime, engine, http) can raise and catch them
 """
 
 
+class ConfigError(ValueError):
+    """A SEMIF_* variable is missing or invalid; the message starts with its name. Raised at
+    startup only (`semif_serve.config`), before anything is bound: one line, exit 2."""
+
+
 class ServeError(Exception):
     """Base class: the message is safe to show to the caller."""
 

@@ -69,6 +69,7 @@ def _extend(cache, new: list[int]) -> None:
             layer.recurrent_states[0] = torch.zeros(1, dtype=torch.float64)
             layer.conv_states[0] = torch.zeros(CONV_WIDTH, dtype=torch.float64)
         layer.recurrent_states[0].add_(sum(new))  # in place, as the real layers update
+        layer.cumulative_length_linear.add_(len(new))  # the token count: what positions follow
         window = torch.cat([layer.conv_states[0], torch.tensor(new, dtype=torch.float64)])
         layer.conv_states[0].copy_(window[-CONV_WIDTH:])
 
@@ -82,4 +83,5 @@ def read_ids(cache) -> list[int]:
         assert (0 if recurrent is None else int(recurrent)) == sum(ids)
         window = ([0] * CONV_WIDTH + ids)[-CONV_WIDTH:]
         assert (conv is None and not ids) or [int(x) for x in conv] == window
+        assert int(layer.get_seq_length()) == len(ids), "the linear layer's token count"
     return ids

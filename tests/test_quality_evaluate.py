@@ -16,8 +16,8 @@ from quality_fakes import (
     write_jsonl,
 )
 
+from semif_serve.calibration import load_calibration
 from semif_serve.cli import main
-from semif_serve.config import load_calibration
 from semif_serve.quality.labelled import ROW_KEYS, LabelledDataError, read_labelled
 from semif_serve.quality.temperature import fit_temperature
 from semif_serve.scoring import parse_row

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from semif_serve.config import MAX_TEMPERATURE, MIN_TEMPERATURE, ConfigError, load_calibration
+from semif_serve.calibration import MAX_TEMPERATURE, MIN_TEMPERATURE, load_calibration
+from semif_serve.config import ConfigError
 from semif_serve.quality.evaluate import Prediction
 from semif_serve.quality.labelled import LabelledRow
 from semif_serve.quality.temperature import (

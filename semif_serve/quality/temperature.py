@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from semif_serve.config import MAX_TEMPERATURE, MIN_TEMPERATURE
+from semif_serve.calibration import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 ECE_BINS = 10
 _GOLDEN = (np.sqrt(5) - 1) / 2

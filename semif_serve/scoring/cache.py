@@ -79,7 +79,9 @@ def resumed_at(cache: Any, length: int, checkpoint: list[dict[str, dict]] | None
     twin = copy.copy(cache)
     linear = iter(checkpoint or ())
     twin.layers = [
-        _layer_copy(layer, next(linear) if _kind(layer) == "linear" and checkpoint else None)
+        _layer_copy(layer, next(linear), length)
+        if _kind(layer) == "linear" and checkpoint
+        else _layer_copy(layer)
         for layer in cache.layers
     ]
     for layer in twin.layers:
@@ -159,9 +161,18 @@ LINEAR_FLAGS = (
 )
 
 
-def _layer_copy(layer: Any, states: dict[str, dict] | None = None) -> Any:
+# A linear-attention layer's token count: a tensor it adds to in place, and what the cache's
+# get_seq_length() returns when its first layer is one (Qwen3.5's is), so the position of every
+# token a prefill then runs. A copy shares it unless given its own.
+LINEAR_COUNTER = "cumulative_length_linear"
+
+
+def _layer_copy(
+    layer: Any, states: dict[str, dict] | None = None, length: int | None = None
+) -> Any:
     """A copy a forward may consume: a linear-attention layer's states are cloned (from
-    `states`, a `linear_checkpoint` entry, when given), the flags it updates copied."""
+    `states`, a `linear_checkpoint` entry taken after `length` tokens, when given), the flags
+    and the token count it updates copied (the count set to `length` when given)."""
     twin = copy.copy(layer)
     if _kind(layer) == "linear":
         for name in STATES:
@@ -169,6 +180,8 @@ def _layer_copy(layer: Any, states: dict[str, dict] | None = None) -> Any:
             setattr(twin, name, {key: _clone(tensor) for key, tensor in source.items()})
         for name in LINEAR_FLAGS:  # dicts the layer updates in place
             setattr(twin, name, dict(getattr(layer, name)))
+        count = getattr(layer, LINEAR_COUNTER)
+        setattr(twin, LINEAR_COUNTER, count.clone() if length is None else count.new_tensor(length))
     return twin
 
 
