@@ -1,25 +1,15 @@
 """Issue 31: an OpenAI Decisions caller's `prompt_cache_breakpoint` marks become checkpoints.
 
-The API layer records where each marked input text ends in the state as the prompt shows it;
-the route hands those ends to every row; the encoding stage turns them into positions in the
-state prefix's tokens (real tokenizers); a hybrid model (tiny Qwen3.5) then resumes a state that
-changed after the mark from the breakpoint, exactly, where without the mark it is a miss."""
+The API layer records where each marked input text ends in the state as the prompt shows it,
+and the route hands those ends to every row (fake scorer, falcon's client; fast enough for the
+mutation grids). On real tokenizers and models: tests/test_breakpoints_real.py."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import pytest
 from fakes import AUTH, FakeScorer, fake_app
 from falcon import testing
-from rows_factory import make_rows
 
 from semif_serve.apis.decisions import marked_ends, parse
-from semif_serve.scoring import Row, parse_row, score_shared
-from semif_serve.scoring.breakpoints import MAX_BREAKPOINTS, breakpoint_positions
-from semif_serve.scoring.checkpoints import BREAKPOINT
-from semif_serve.scoring.inputs import direct_input, shared_input
-from semif_serve.scoring.prefix_cache import PrefixCache
 from semif_serve.state_key import state_json
 
 MARK = {"mode": "explicit"}
@@ -100,64 +90,21 @@ def test_the_decisions_route_hands_the_ends_to_every_row():
     assert len(expected) == 1 and [r.breakpoints for r in rows] == [expected, expected]
 
 
-def marked_rows(body_input, count: int = 2) -> list[Row]:
-    """Rows over a Decisions input's state, with its marks (as the route hands them over)."""
-    request = parse({"input": body_input, "questions": QUESTIONS})
-    rows = make_rows(count, [2, 3], state=request.state)
-    return [replace(parse_row(row), breakpoints=request.breakpoints) for row in rows]
-
-
-def rows_over(status: str, marked: bool = True) -> list[Row]:
-    return marked_rows(log_input(status, marked))
-
-
-@pytest.mark.parametrize("model_name", ["smollm2", "tiny_qwen"])
-def test_a_mark_is_a_token_boundary_of_the_prefix_at_or_before_it(request, model_name):
-    scoring_model = request.getfixturevalue(model_name)
-    tokenizer = scoring_model.tokenizer
-    rows = rows_over("open")
-    encoded = shared_input(tokenizer, rows, 4096)
-    (position,) = encoded.breakpoints
-    prefix = encoded.prefix_ids
-    assert 0 < position < len(prefix)
-    text = encoded.prompts[0].text
-    through = tokenizer.decode(prefix[:position])
-    mark_end = text.index(state_json(HISTORY[-1])[1:-1]) + len(state_json(HISTORY[-1])[1:-1])
-    assert text.startswith(through) and len(through) <= mark_end
-    assert mark_end - len(through) <= 8  # close to the mark, not merely somewhere before it
-    # The direct path locates the same position.
-    assert direct_input(tokenizer, rows[0], 4096, with_prefix=True).breakpoints == (position,)
-
-
-def test_only_the_last_marks_are_kept(smollm2):
-    (row,) = marked_rows([{"role": "user", "content": [marked_text(e) for e in HISTORY]}], 1)
-    assert len(row.breakpoints) == len(HISTORY) > MAX_BREAKPOINTS
-    encoded = shared_input(smollm2.tokenizer, [row], 4096)
-    assert len(encoded.breakpoints) == MAX_BREAKPOINTS
-    last = breakpoint_positions(smollm2.tokenizer, row, encoded.prompts[0].text, encoded.prefix_ids)
-    assert last == encoded.breakpoints
-
-
-def worst(expected: list[dict], results: list[dict]) -> float:
-    return max(
-        abs(a - b)
-        for one, other in zip(expected, results, strict=True)
-        for a, b in zip(one["probabilities"], other["probabilities"])
-    )
-
-
-@pytest.mark.parametrize("marked", [True, False])
-def test_a_hybrid_state_changed_after_its_mark_resumes_from_the_breakpoint_exactly(
-    tiny_qwen, marked
-):
-    view = PrefixCache(1 << 30, min_tokens=16, checkpoint_tokens=0).for_model(("m", "t"))
-    first = rows_over("waiting for the technician", marked)
-    score_shared(tiny_qwen, first, max_tokens=4096, prefix_cache=view)
-    changed = rows_over("fixed, test page printed clean", marked)
-    cold, _ = score_shared(tiny_qwen, changed, max_tokens=4096)
-    cached, timing = score_shared(tiny_qwen, changed, max_tokens=4096, prefix_cache=view)
-    assert worst(cold, cached) <= 1e-5
-    if marked:
-        assert timing["reuse_point"] == BREAKPOINT and timing["cached_tokens"] > 100
-    else:  # the status changed before the boundary checkpoint: nothing to resume from
-        assert (timing["reuse_point"], timing["cached_tokens"]) == (None, 0)
+def test_marks_in_mixed_parts_and_tool_outputs_end_where_their_texts_do():
+    body = {
+        "input": [
+            {
+                "role": "user",
+                "content": [{"type": "input_json", "data": {"k": "v"}}, marked_text("a")],
+            },
+            {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [marked_text("seen")]},
+            {"type": "function_call_output", "call_id": "c1", "output": "plain"},
+        ],
+        "questions": QUESTIONS,
+    }
+    request = parse(body)
+    shown = state_json(request.state)
+    assert [shown[:end][-4:] for end in request.breakpoints] == [', "a', "seen"]
+    assert request.state[0]["content"][0] == {"k": "v"} and type(request.state[2]["output"]) is str
+    assert request.state[3]["output"] == "plain"
