@@ -1,4 +1,5 @@
-"""`Job`: one batched request's work, and `run_jobs`: a batch of them, run as one engine call.
+"""`Job`: one batched request's work, and `run_jobs`: a batch of them, run as one engine call;
+`Waiter`: a place in a model's queue, a request's (holding its job) or a manager's.
 
 A request that may be batched (SEMIF_MAX_BATCH_ROWS > 1, its input encoded before it queued)
 hands its scheduler a `Job`. Whichever request leads takes it into a batch (the scheduler
@@ -19,7 +20,7 @@ from typing import Any
 
 from semif_serve.errors import ClientGone, QueueTimedOut
 from semif_serve.runtime.selection import Cost
-from semif_serve.runtime.waiting import NEVER, Deadline, WaiterGone
+from semif_serve.runtime.waiting import NEVER, Deadline, Gone, WaiterGone
 
 STOPPED = "the batch stopped before this request"
 LEFT = "the client closed its connection before its request was scored"
@@ -117,3 +118,17 @@ def _scored(engine: Any, jobs: list[Job]) -> None:
     outcomes = engine.score_batch([job.item for job in jobs])
     for job, outcome in zip(jobs, outcomes):
         job.finish(outcome)
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A place in a model's queue (`scheduler.ModelScheduler`): a request, with its job when it
+    may be batched, or a manager."""
+
+    deadline: Deadline = NEVER
+    gone: Gone | None = None
+    job: Job | None = None  # a batched request's work (a batch may take it)
+    is_request: bool = True  # else a manager
+
+
+RunBatch = Callable[[Any, list[Job]], None]  # (engine, jobs): the runtime's device turn and call

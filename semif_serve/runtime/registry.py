@@ -5,7 +5,8 @@ or unload. Residency (which models stay loaded: eviction, the memory budget, idl
 is its mixin `Residency` (residency.py). The registry lock only guards the id → entry map and
 is never held while anything waits, loads or tears down. A reconfigure never costs the serving
 model without need: its source is checked first (400), a change that keeps the weights applies
-in place, and new weights load beside the old ones when memory allows (see `_reconfigure`).
+in place, and new weights load beside the old ones when memory allows (its mixin
+`Reconfiguration`, reconfiguration.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 from semif_serve.errors import (
     BadManagementRequest,
@@ -24,11 +25,11 @@ from semif_serve.errors import (
     ModelLoadFailed,
     ModelNotFound,
     QueueTimedOut,
-    ServeError,
 )
 from semif_serve.runtime.jobs import LEFT, Job, forwards, run_jobs
+from semif_serve.runtime.reconfiguration import Reconfiguration
 from semif_serve.runtime.residency import Residency
-from semif_serve.runtime.scheduler import LOADING, READY, RECONFIGURING, UNLOADED, ModelScheduler
+from semif_serve.runtime.scheduler import LOADING, READY, UNLOADED, ModelScheduler
 from semif_serve.runtime.selection import BatchLimits
 from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
 from semif_serve.runtime.waiting import Deadline, QueueTimeout, WaiterGone, deadline_after
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 1.0
 
 
-class Runtime(Residency):
+class Runtime(Reconfiguration, Residency):
     def __init__(
         self,
         settings: Any,
@@ -259,56 +260,6 @@ class Runtime(Residency):
 
     # -- transitions (the caller holds the model alone, or is its admitted loader) -------------
 
-    def _reconfigure(self, entry: ModelScheduler, spec: ModelSpec, estimate: int | None) -> None:
-        """Give the model `spec`; it is committed only together with an engine built from it.
-
-        - unloaded: load it; a failure keeps the registered configuration (unloaded);
-        - loaded, and `spec`'s weights fit beside the old ones (`_fits_beside`): load the new
-          engine (warm-up included) while the old one is kept, then switch; a failure leaves
-          the old engine and configuration serving;
-        - loaded, not fitting beside: tear the old engine down, load the new one; if that
-          fails, load the old configuration again; if that fails too, the model is unloaded.
-        Every failed load is the model's `last_load_error` until a load succeeds. A change that
-        leaves the weights as they are is applied to the serving engine instead (`_retune`)."""
-        if self._retune(entry, spec):
-            return
-        if (
-            entry.capacity is not None
-            and spec.slots > entry.capacity
-            and _capacity_inputs(spec) == _capacity_inputs(entry.spec)
-        ):
-            raise BadManagementRequest(
-                f"{spec.id}.slots: {spec.slots} is more than the {entry.capacity} this model "
-                "supports; the current configuration keeps serving"
-            )
-        if entry.state != READY:
-            self._load_alone(entry, spec)
-        elif self._fits_beside(entry, spec, estimate):
-            self._load_beside(entry, spec)
-        else:
-            self._load_instead(entry, spec)
-
-    def _retune(self, entry: ModelScheduler, spec: ModelSpec) -> bool:
-        """Apply `spec` to the loaded engine when only `keep_alive_s`, `slots` or `max_tokens`
-        change and the engine can serve them (`capacity_at`): no reload, the model's stored
-        prefixes kept. False: only a new engine can apply `spec`."""
-        engine = entry.engine
-        if entry.state != READY or _weights(spec) != _weights(entry.spec):
-            return False
-        capacity_at = getattr(engine, "capacity_at", None)
-        capacity = None if capacity_at is None else capacity_at(spec.max_tokens)
-        if capacity is None:
-            return False
-        if spec.slots > capacity:
-            raise BadManagementRequest(
-                f"{spec.id}.slots: {spec.slots} is more than the {capacity} this model "
-                "supports; the current configuration keeps serving"
-            )
-        engine.retune(spec.max_tokens, spec.slots)
-        entry.publish(engine, capacity, spec)
-        log.info("model %s reconfigured in place (its weights are unchanged)", spec.id)
-        return True
-
     def _load_alone(self, entry: ModelScheduler, spec: ModelSpec | None = None) -> None:
         if entry.state == READY:
             return
@@ -325,37 +276,6 @@ class Runtime(Residency):
         engine, capacity = self._build(entry, spec)
         self._publish(entry, engine, capacity, spec)
         self.on_event(spec.id, "load")
-
-    def _load_beside(self, entry: ModelScheduler, spec: ModelSpec) -> None:
-        old = entry.engine
-        entry.set_state(RECONFIGURING)
-        try:
-            engine, capacity = self._build(entry, spec)
-            self._publish(entry, engine, capacity, spec)
-        except BaseException:
-            entry.set_state(READY)  # nothing was published: the old engine serves on
-            raise
-        self._teardown(old)
-        self.on_event(spec.id, "load")
-
-    def _load_instead(self, entry: ModelScheduler, spec: ModelSpec) -> None:
-        self._unload_alone(entry)
-        try:
-            self._load_alone(entry, spec)
-        except ServeError as error:  # a load's failure; anything else is a bug: left unloaded
-            self._restore(entry, error)
-
-    def _restore(self, entry: ModelScheduler, error: ServeError) -> NoReturn:
-        """The fallback's last step: load the registered (old) configuration again, which the
-        failed load never replaced, then report `error`."""
-        try:
-            self._load_alone(entry)
-            outcome = "the previous configuration was loaded again and serves"
-        except Exception as second:
-            outcome = f"loading the previous configuration failed too ({second}); unloaded"
-        message = f"{error}; {outcome}"
-        entry.record_load_error(message)
-        raise type(error)(message) from None
 
     def _build(self, entry: ModelScheduler, spec: ModelSpec) -> tuple[Any, int | None]:
         """Make room, build `spec`'s engine (the factory warms it up), check that it fits the
@@ -428,14 +348,3 @@ def _queue_errors() -> Iterator[None]:
         raise QueueTimedOut(str(error)) from None
     except WaiterGone as error:
         raise ClientGone(f"the client closed its connection: {error}") from None
-
-
-def _capacity_inputs(spec: ModelSpec) -> tuple:
-    """What a model's slot capacity depends on: with any of it changed, only the new engine
-    can say what it supports (a lower max_tokens supports more slots)."""
-    return (*_weights(spec), spec.max_tokens)
-
-
-def _weights(spec: ModelSpec) -> tuple:
-    """Which weights a spec loads, and how: a change to any of it needs a new engine."""
-    return (spec.source, spec.revision, spec.dtype, spec.device)

@@ -29,15 +29,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from semif_serve.errors import ScoringFailed, same_failure
-from semif_serve.runtime.jobs import STOPPED, Job
+from semif_serve.runtime.jobs import STOPPED, Job, RunBatch, Waiter
 from semif_serve.runtime.selection import BatchLimits, gather_ends, select
 from semif_serve.runtime.specs import ModelSpec
-from semif_serve.runtime.waiting import NEVER, Deadline, Gone, deadline_after, wait_until
+from semif_serve.runtime.waiting import Deadline, Gone, deadline_after, wait_until
 
 UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
     "unloaded",
@@ -46,15 +45,6 @@ UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
     "reconfiguring",
     "unloading",
 )
-RunBatch = Callable[[Any, list[Job]], None]  # (engine, jobs): the runtime's device turn and call
-
-
-@dataclass(eq=False)
-class _Waiter:
-    deadline: Deadline = NEVER
-    gone: Gone | None = None
-    job: Job | None = None  # a batched request's work (a batch may take it)
-    is_request: bool = True  # else a manager
 
 
 class ModelScheduler:
@@ -73,7 +63,7 @@ class ModelScheduler:
         self.batching = batching or BatchLimits(1, 1, 0.0)
         self._clock = clock
         self._cond = threading.Condition()
-        self._queue: deque[_Waiter] = deque()
+        self._queue: deque[Waiter] = deque()
         self._active = 0
         self._managed = False
         self._gathering = False  # a leader is choosing its batch: nobody else enters meanwhile
@@ -121,7 +111,7 @@ class ModelScheduler:
     def lease(self, deadline: Deadline, load: Callable[[ModelScheduler], None], gone=None) -> Any:
         """Wait for a slot (FIFO), the model loaded if needed, and return its engine; `release`
         ends the lease. `gone`: asked while it waits; True makes it leave (`WaiterGone`)."""
-        waiter = _Waiter(deadline, gone)
+        waiter = Waiter(deadline, gone)
         with self._cond:
             self._queue.append(waiter)
             self._cond.notify_all()  # a leader gathering its batch stops for it
@@ -137,7 +127,7 @@ class ModelScheduler:
         a batch: its own, when it enters first (`run` is then called with the engine and the
         batch it chose), else the leader's that took it. `QueueTimeout` or `WaiterGone` when it
         left the queue untaken."""
-        waiter = _Waiter(job.deadline, job.gone, job)
+        waiter = Waiter(job.deadline, job.gone, job)
         with self._cond:
             self._queue.append(waiter)
             self._cond.notify_all()  # a leader gathering its batch sees it
@@ -155,7 +145,7 @@ class ModelScheduler:
             self._cond.notify_all()  # before the clock: if it fails, the next waiter still goes
             self.last_used = self._clock()
 
-    def _enter(self, waiter: _Waiter, served: Callable[[], bool]) -> bool:
+    def _enter(self, waiter: Waiter, served: Callable[[], bool]) -> bool:
         """Wait (holding the condition) until `waiter` may enter, and hold a slot; or until
         `served` (a batch took its job: True, no slot). Any other way out leaves the queue."""
         try:
@@ -176,7 +166,7 @@ class ModelScheduler:
         self._cond.notify_all()  # the next request may take a spare slot
         return False
 
-    def _may_enter(self, waiter: _Waiter) -> bool:
+    def _may_enter(self, waiter: Waiter) -> bool:
         return (
             self._queue[0] is waiter
             and not self._managed
@@ -294,16 +284,16 @@ class ModelScheduler:
         """Run `operation` alone, after every earlier request and manager, before later ones."""
         return self.run_managed(self.enqueue_manager(), operation, timeout)
 
-    def enqueue_manager(self) -> _Waiter:
+    def enqueue_manager(self) -> Waiter:
         """Publish a manager's barrier: from now on, later requests queue behind it."""
-        waiter = _Waiter(is_request=False)
+        waiter = Waiter(is_request=False)
         with self._cond:
             self._queue.append(waiter)
             self._cond.notify_all()  # a leader gathering its batch stops for it
         return waiter
 
     def run_managed(
-        self, waiter: _Waiter, operation: Callable[[ModelScheduler], Any], timeout: float | None
+        self, waiter: Waiter, operation: Callable[[ModelScheduler], Any], timeout: float | None
     ) -> Any:
         with self._cond:
             try:
@@ -327,7 +317,7 @@ class ModelScheduler:
                 self._managed = False
                 self._cond.notify_all()
 
-    def abandon(self, waiter: _Waiter) -> None:
+    def abandon(self, waiter: Waiter) -> None:
         """Withdraw a published barrier whose manager will never run (its thread did not start)."""
         with self._cond:
             self._leave(waiter)
@@ -346,7 +336,7 @@ class ModelScheduler:
                 self._managed = False
                 self._cond.notify_all()
 
-    def _manager_may_enter(self, waiter: _Waiter) -> bool:
+    def _manager_may_enter(self, waiter: Waiter) -> bool:
         return (
             self._queue[0] is waiter
             and not self._managed
@@ -396,7 +386,7 @@ class ModelScheduler:
             self.state = UNLOADING if engine is not None else UNLOADED
             return engine
 
-    def _leave(self, waiter: _Waiter) -> None:
+    def _leave(self, waiter: Waiter) -> None:
         if waiter in self._queue:
             self._queue.remove(waiter)
         self._cond.notify_all()  # the waiter behind may now be at the head
