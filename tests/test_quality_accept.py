@@ -383,7 +383,9 @@ def test_cli_exits_2_with_one_line_for_a_wrong_token_or_no_server(tmp_path, caps
         ]
     )
     assert status == 2
-    assert "cannot reach the server" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines() == [
+        f"semif-serve: error: cannot reach {server.url} (start the server, or pass --url)"
+    ]
 
 
 def test_a_server_error_reply_becomes_an_api_error_with_its_code():

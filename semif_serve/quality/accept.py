@@ -6,24 +6,25 @@ Checks, each pass, fail or skipped (thresholds in docs/quality.md):
 3. negative control: option descriptions rotated across the option ids must break agreement;
 4. shared vs direct: `/decide/shared` per state against the direct run, within the floor;
 5. speed: 21 binary criteria over one state via `/decide/shared`, N >= 3 times, against 21
-   separate `/decide` calls;
+   separate `/decide` calls, every timed call cold (speed.py: the prefix cache kept out);
 6. VRAM (CUDA servers only): the peak at a ~4096-token input and a suggested SEMIF_VRAM_CAP_GIB.
 Rows agree as `agreement.compare_runs` defines, with a tolerance set by the model's dtype.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 from semif_serve.client import ApiError, Client, SemifError
 from semif_serve.quality.agreement import compare_runs
+from semif_serve.quality.checks import Check, shared_body, status
 from semif_serve.quality.reference import MODEL_KEYS
+from semif_serve.quality.speed import speed_check
 from semif_serve.quality.vram import MemoryUnavailable, PeakSampler, suggested_cap_gib
 from semif_serve.state_key import state_key
 
@@ -31,7 +32,6 @@ TOLERANCE_BY_DTYPE = {"float32": 0.005, "float16": 0.03, "bfloat16": 0.06}
 DEFAULT_TOLERANCE = 0.005
 NEGATIVE_CONTROL_MAX_AGREEMENT = 0.5
 MIN_REPEATS = 3
-SPEED_CRITERIA = 21
 VRAM_TARGET_TOKENS = 4096
 VRAM_PROBE_WORDS = (64, 128)
 VRAM_MARGIN_TOKENS = 16
@@ -39,18 +39,9 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
-class Check:
-    name: str
-    status: str  # pass | fail | skipped
-    measured: str
-    threshold: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class AcceptInputs:
     rows: list[dict[str, Any]]  # plain {id, state, question, options}
-    speed_rows: list[dict[str, Any]]  # SPEED_CRITERIA rows over one state
+    speed_rows: list[dict[str, Any]]  # speed.SPEED_CRITERIA rows over one state
     reference: dict[str, dict[str, Any]] | None = None  # `semif-serve score` results by id
     repeats: int = MIN_REPEATS
     tolerance: float | None = None  # None: by the model's dtype
@@ -190,7 +181,7 @@ class Acceptance:
             "prompt_mismatches": prompts[:10],
             "model_mismatch": other_model,
         }
-        return Check("parity", _status(passed), measured, threshold, details)
+        return Check("parity", status(passed), measured, threshold, details)
 
     def noise_floor(self) -> Check:
         comparison = compare_runs(self._direct("A"), self._direct("A again"), self.tolerance)
@@ -198,7 +189,7 @@ class Acceptance:
         passed = comparison.same_top == comparison.rows and comparison.max_gap <= self.tolerance
         return Check(
             "noise floor",
-            _status(passed),
+            status(passed),
             f"top {comparison.same_top}/{comparison.rows}, max gap {comparison.max_gap:.2g}",
             f"same top on every row, max gap <= {self.tolerance}",
             comparison.as_dict(),
@@ -218,7 +209,7 @@ class Acceptance:
         passed = comparison.agreement <= NEGATIVE_CONTROL_MAX_AGREEMENT
         return Check(
             "negative control",
-            _status(passed),
+            status(passed),
             f"agreement {comparison.agreement:.3f}, same top {comparison.top_agreement:.3f}",
             threshold,
             comparison.as_dict(),
@@ -230,59 +221,22 @@ class Acceptance:
         passed = comparison.agreeing == comparison.rows
         return Check(
             "shared vs direct",
-            _status(passed),
+            status(passed),
             f"{comparison.agreeing}/{comparison.rows} agree, max gap {comparison.max_gap:.2g}",
             f"every row agrees within max(floor, tolerance) = {tolerance:.2g}",
             {**comparison.as_dict(), "tolerance": tolerance},
         )
 
     def speed(self) -> Check:
-        rows = self._inputs.speed_rows
-        threshold = "all replies complete; shared p50 <= p50 of 21 separate /decide calls"
-        if self._inputs.max_speed_p50_s is not None:
-            threshold += f"; shared p50 <= {self._inputs.max_speed_p50_s} s"
-        limit = int(self.health.get("max_decisions") or 0)
-        if limit < len(rows):
-            return Check("speed", "fail", f"max_decisions is {limit}", threshold)
-        body = shared_body(rows)
-        expected = [row["id"] for row in rows]
-        self._client.decide_shared(body)  # warm-up, not timed
-        shared, direct, server = [], [], []
-        for _ in self._bar(list(range(self._inputs.repeats)), "speed"):
-            started = self._clock()
-            reply = self._client.decide_shared(body)
-            shared.append(self._clock() - started)
-            if [result["id"] for result in reply["results"]] != expected:
-                return Check(
-                    "speed", "fail", "a shared reply lacks rows or reorders them", threshold
-                )
-            server.append(reply["timing"].get("total_seconds"))
-            started = self._clock()
-            for row in rows:
-                self._client.decide(row)
-            direct.append(self._clock() - started)
-        shared_p50, direct_p50 = statistics.median(shared), statistics.median(direct)
-        passed = shared_p50 <= direct_p50 and (
-            self._inputs.max_speed_p50_s is None or shared_p50 <= self._inputs.max_speed_p50_s
+        return speed_check(
+            self._client,
+            self._inputs.speed_rows,
+            repeats=self._inputs.repeats,
+            max_decisions=int(self.health.get("max_decisions") or 0),
+            max_p50_s=self._inputs.max_speed_p50_s,
+            clock=self._clock,
+            bar=self._bar,
         )
-        details = {
-            "criteria": len(rows),
-            "repeats": self._inputs.repeats,
-            "shared_seconds": shared,
-            "direct_seconds": direct,
-            "shared_p50_s": shared_p50,
-            "shared_spread_s": [min(shared), max(shared)],
-            "direct_p50_s": direct_p50,
-            "speedup": direct_p50 / shared_p50 if shared_p50 > 0 else None,
-            "server_total_seconds": server,
-        }
-        measured = (
-            f"shared p50 {shared_p50:.3f} s ({min(shared):.3f}..{max(shared):.3f}), "
-            f"direct p50 {direct_p50:.3f} s"
-        )
-        if details["speedup"] is not None:
-            measured += f", {details['speedup']:.1f}x"
-        return Check("speed", _status(passed), measured, threshold, details)
 
     def vram(self) -> Check:
         model = self.health.get("model") or {}
@@ -339,18 +293,6 @@ class Acceptance:
 def now() -> float:
     """The speed check's clock (tests replace it: they never time real work)."""
     return time.perf_counter()
-
-
-def _status(passed: bool) -> str:
-    return "pass" if passed else "fail"
-
-
-def shared_body(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One /decide/shared body for rows over one state."""
-    return {
-        "state": rows[0]["state"],
-        "decisions": [{key: row[key] for key in ("id", "question", "options")} for row in rows],
-    }
 
 
 def rotated_descriptions(row: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Exit status: 0 done (accept: every check passed or was skipped); 1 accept found a failing check;
 2 the command could not run (bad data, missing file, unloadable model, unreachable server), with
-one line on stderr.
+one line on stderr. A command that talks to a server asks its /health first, under a deadline
+of seconds (reach.py): "cannot reach URL (start the server, or pass --url)".
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ class CommandError(Exception):
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    from semif_serve.quality import evaluate
-
     def work(stack: ExitStack) -> None:
+        from semif_serve.quality import evaluate
+
         rows = _labelled(args.data)
         backend = _backend(args, stack)
         predictions = evaluate.decide_all(backend, rows, args.orderings)
@@ -45,14 +46,14 @@ def run_evaluate(args: argparse.Namespace) -> int:
                 lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
                 (args.out / f"predictions-{mode}.jsonl").write_text(lines, encoding="utf-8")
 
-    return _guard(work)
+    return _guard(work, args)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from semif_serve.quality import calibrate
-    from semif_serve.quality.evaluate import decide_all
-
     def work(stack: ExitStack) -> None:
+        from semif_serve.quality import calibrate
+        from semif_serve.quality.evaluate import decide_all
+
         rows = _labelled(args.data)
         backend = _backend(args, stack)
         predictions = decide_all(backend, rows, ["none"])["none"]
@@ -69,17 +70,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(calibrate.markdown(report, args.workload), end="")
         print(f"\nWrote {args.out}: {json.dumps(table)}")
 
-    return _guard(work)
+    return _guard(work, args)
 
 
 def run_accept(args: argparse.Namespace) -> int:
-    from semif_serve.quality.accept import Acceptance, AcceptInputs, table
-    from semif_serve.quality.backends import read_results
-    from semif_serve.quality.labelled import read_plain_rows
-
     outcome: dict[str, Any] = {}
 
     def work(stack: ExitStack) -> None:
+        from semif_serve.quality.accept import Acceptance, AcceptInputs, table
+        from semif_serve.quality.backends import read_results
+        from semif_serve.quality.labelled import read_plain_rows
+
         speed_rows = read_plain_rows(args.speed_rows)
         client = stack.enter_context(_client(args))
         path = args.reference
@@ -101,7 +102,7 @@ def run_accept(args: argparse.Namespace) -> int:
             _write_json(args.out / "accept.json", report)
         outcome["passed"] = report["passed"]
 
-    status = _guard(work)
+    status = _guard(work, args)
     if status == 0 and not outcome["passed"]:
         return EXIT_CHECK_FAILED
     return status
@@ -123,16 +124,47 @@ def _reference_in(folder: Path, model: dict[str, Any]) -> Path:
     return Path(chosen)
 
 
-def _guard(work) -> int:
-    """Run `work` with an ExitStack that closes what it opened (the HTTP client); the expected
-    failures become one line on stderr and exit status 2."""
+def _guard(work, args: argparse.Namespace) -> int:
+    """Check the server first when the command talks to one (`_check_server`), then run `work`
+    with an ExitStack that closes what it opened (the HTTP client); the expected failures become
+    one line on stderr and exit status 2."""
+    try:
+        _check_server(args)
+        with ExitStack() as stack:
+            work(stack)
+    except Exception as error:
+        # A CommandError is told without the imports that name the others (they load torch).
+        if not isinstance(error, CommandError) and not isinstance(error, _expected()):
+            raise
+        print(f"semif-serve: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _check_server(args: argparse.Namespace) -> None:
+    """When the command talks to a server (accept; evaluate and calibrate given --url alone),
+    that something answers its /health within seconds (quality/reach.py). First, before the data
+    is read or the slow imports are made: a wrong port is told at once, not after --timeout-s of
+    retried connections."""
+    from semif_serve.quality.reach import REACH_DEADLINE_S, answers, unreachable
+
+    others = (getattr(args, "model", None), getattr(args, "results", None))
+    if args.url is None or any(other is not None for other in others):
+        return  # no server, or a choice of backends that _backend refuses
+    if not answers(args.url, min(REACH_DEADLINE_S, args.timeout_s)):
+        raise CommandError(unreachable(args.url))
+
+
+def _expected() -> tuple[type[Exception], ...]:
+    """The failures a command reports in one line: its own, bad data, a failed call, a model
+    that cannot load, a bad calibration file."""
     from semif_serve.client import SemifError
     from semif_serve.engine.builtin import BuiltinModelError
     from semif_serve.engine.loading import ModelLoadError
     from semif_serve.quality.calibrate import CalibrationFileError
     from semif_serve.quality.labelled import LabelledDataError
 
-    expected = (
+    return (
         CommandError,
         LabelledDataError,
         SemifError,
@@ -141,13 +173,6 @@ def _guard(work) -> int:
         CalibrationFileError,
         ValueError,  # data the statistics cannot use, e.g. perturbations without their sources
     )
-    try:
-        with ExitStack() as stack:
-            work(stack)
-    except expected as error:
-        print(f"semif-serve: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return EXIT_USAGE
-    return 0
 
 
 def _labelled(paths: list[Path]):
@@ -157,7 +182,8 @@ def _labelled(paths: list[Path]):
 
 
 def _client(args: argparse.Namespace):
-    """semif_serve.client over --url with --token-file; --timeout-s is each call's deadline."""
+    """semif_serve.client over --url with --token-file; --timeout-s is each call's deadline
+    (`_guard` has checked that the server answers)."""
     from semif_serve.client import Client, RetryPolicy
 
     if args.token_file is None:
