@@ -11,9 +11,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from semif_serve.scoring.rows import Row
+if TYPE_CHECKING:  # `semif_serve.scoring` imports torch: the CLI's parser must not
+    from semif_serve.scoring.rows import Row
 
 ORDERINGS = ("none", "rotations", "all")
 MAX_OPTIONS_FOR_ALL = 4
