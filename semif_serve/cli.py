@@ -13,6 +13,7 @@ import argparse
 import os
 import select
 import sys
+import textwrap
 from functools import partial
 from pathlib import Path
 
@@ -20,13 +21,45 @@ import semif_serve  # noqa: F401  (forces the hub offline before torch or transf
 from semif_serve.engine import kernel_cache
 
 EXIT_USAGE = 2
+DTYPE_HELP = "the weights' dtype: float32, bfloat16 or float16 (default: %(default)s)"
+MAX_TOKENS_HELP = "longer prompts are rejected, never truncated (default: %(default)s)"
+SERVE_DESCRIPTION = (
+    "Run the HTTP service: one gunicorn worker that loads the model once, then answers "
+    "/decide, /decide/shared, the decision APIs and /health. Every SEMIF_* variable, the "
+    "model's name and the device are checked before anything is bound: a bad one stops it "
+    "with one line naming the variable and exit status 2. While the model loads, /health "
+    "answers 503 `loading`; once it is ready the log says `ready: model ... at http://...`."
+)
+SERVE_VARIABLES = """\
+configured by environment variables (read once, at start-up):
+  required   SEMIF_API_TOKEN (or --token-file)
+  model      SEMIF_MODEL SEMIF_REVISION SEMIF_DEVICE SEMIF_DTYPE SEMIF_MODELS_FILE
+             SEMIF_MODEL_ALIASES SEMIF_CALIBRATION SEMIF_REQUIRE_FAST_KERNELS SEMIF_CACHE_DIR
+             SEMIF_KERNEL_CACHE_DIR SEMIF_STATE_DIR
+  limits     SEMIF_MAX_TOKENS SEMIF_MAX_DECISIONS SEMIF_MAX_BODY_BYTES SEMIF_MAX_QUEUE
+             SEMIF_QUEUE_TIMEOUT_S SEMIF_MAX_CONNECTIONS SEMIF_VRAM_CAP_GIB
+  network    SEMIF_BIND (default 127.0.0.1:8471) SEMIF_HEADER_TIMEOUT_S SEMIF_BODY_TIMEOUT_S
+             SEMIF_WRITE_TIMEOUT_S SEMIF_GRACEFUL_TIMEOUT_S
+  models     SEMIF_ADMIN_TOKEN SEMIF_PARALLEL_SLOTS SEMIF_MAX_LOADED_MODELS
+             SEMIF_MEMORY_BUDGET_GIB
+  batching   SEMIF_MAX_BATCH_ROWS SEMIF_MAX_BATCH_TOKENS SEMIF_BATCH_WAIT_MS
+             SEMIF_PREFIX_CACHE_GIB SEMIF_PREFIX_CHECKPOINT_TOKENS
+each one's default and rule: docs/configuration.md; running it: docs/operations.md"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="semif-serve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="semif-serve",
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        epilog="`semif-serve COMMAND --help` tells more of each command; docs/cli.md shows them.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
-        "serve", help="run the HTTP service (configured by SEMIF_* variables)"
+        "serve",
+        help="run the HTTP service (configured by SEMIF_* variables)",
+        description=textwrap.fill(SERVE_DESCRIPTION, 79),
+        epilog=SERVE_VARIABLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument(
         "--token-file",
@@ -50,13 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--revision", help="40-hex commit for a hub id; free text for a local folder"
     )
     score.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    score.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     score.add_argument(
-        "--max-tokens",
-        type=_positive_int,
-        default=4096,
-        help="longer prompts are rejected, never truncated (default: %(default)s)",
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help=DTYPE_HELP
     )
+    score.add_argument("--max-tokens", type=_positive_int, default=4096, help=MAX_TOKENS_HELP)
     score.add_argument("--out", type=Path, help="write results here instead of stdout")
     add_quality_commands(commands)
     return parser
@@ -174,8 +204,10 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="score locally instead: builtin:NAME, a folder or a hub id")
     parser.add_argument("--revision", help="40-hex commit for a hub id")
     parser.add_argument("--device", default="cpu", help="local model device (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-tokens", type=_positive_int, default=4096)
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help=DTYPE_HELP
+    )
+    parser.add_argument("--max-tokens", type=_positive_int, default=4096, help=MAX_TOKENS_HELP)
 
 
 def _modes(known: tuple[str, ...]):
@@ -240,25 +272,27 @@ def run_score(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Every setting, then the startup models' names and devices, then SEMIF_STATE_DIR and
+    SEMIF_BIND (as the server starts): a bad one is one line naming it, exit 2, before
+    anything is bound. --token-file's curl example is printed once the server is ready."""
     from semif_serve.config import ConfigError, Settings
     from semif_serve.devtoken import curl_example, ensure_token_file
 
     environ = dict(os.environ)
-    if args.token_file is not None and not environ.get("SEMIF_API_TOKEN"):
-        environ["SEMIF_API_TOKEN"] = ensure_token_file(args.token_file)
-        print(
-            curl_example(environ.get("SEMIF_BIND", "127.0.0.1:8471"), args.token_file), flush=True
-        )
+    made_token = args.token_file is not None and not environ.get("SEMIF_API_TOKEN")
     try:
+        if made_token:
+            environ["SEMIF_API_TOKEN"] = ensure_token_file(args.token_file)
         settings = Settings.from_env(environ)
-    except ConfigError as error:
-        print(f"semif-serve: error: {one_line(error)}", file=sys.stderr)
-        return EXIT_USAGE
-    from semif_serve.server import run
+        from semif_serve.engine.boot import check_startup_models
+        from semif_serve.server import run
 
-    try:
-        run(settings)
-    except ConfigError as error:  # SEMIF_STATE_DIR, checked as the server starts
+        check_startup_models(settings)
+        run(
+            settings,
+            ready_note=curl_example(settings.bind, args.token_file) if made_token else None,
+        )
+    except ConfigError as error:
         print(f"semif-serve: error: {one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     return 0
@@ -271,7 +305,8 @@ def one_line(error: BaseException) -> str:
 def entry_point() -> None:
     # A server process points the kernel caches at their folder first: build_parser's imports
     # already load torch (docs/operations.md, "Kernel caches").
-    if sys.argv[1:2] == ["serve"] and kernel_cache.prepare() is None:
+    serving = sys.argv[1:2] == ["serve"] and not {"-h", "--help"} & set(sys.argv[2:])
+    if serving and kernel_cache.prepare() is None:
         sys.exit(EXIT_USAGE)
     try:
         status = main()

@@ -1,7 +1,10 @@
 """Run the app under gunicorn: ONE worker process (it owns the model) with gthread threads.
 
+The master listens on SEMIF_BIND itself, once (a busy port is one ConfigError naming it).
 The model loads in the worker, not the master, so CUDA is never initialised before a fork, and
-a load or warm-up failure makes gunicorn stop with "Worker failed to boot" (fail closed).
+a load or warm-up failure makes gunicorn stop with "Worker failed to boot" (fail closed). It
+loads on a thread while the worker answers (semif_serve/worker/starting.py: /health is a 503
+`loading` meanwhile); once it is ready the worker logs one `ready` line with the model and URL.
 Threads: one per admitted request (SEMIF_MAX_QUEUE) plus spares, so /health and 429 replies are
 answered while admitted requests wait for the engine; request heads are read without a thread
 (semif_serve/worker/). gthread's heartbeat comes from the worker's main loop, so a long scorer
@@ -33,8 +36,10 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 from gunicorn.arbiter import Arbiter
 
-from semif_serve.config import Settings, check_alias_targets
+from semif_serve.config import ConfigError, Settings, check_alias_targets
 from semif_serve.engine import native_memory
+from semif_serve.engine.boot import StartupError
+from semif_serve.errors import ModelLoadFailed
 from semif_serve.runtime.management_state import (
     STATE_FILE,
     ManagementState,
@@ -42,6 +47,9 @@ from semif_serve.runtime.management_state import (
     own_folder,
 )
 from semif_serve.runtime.registry import Runtime
+from semif_serve.runtime.service import SEMIF_COMMIT
+from semif_serve.worker.listener import listen
+from semif_serve.worker.starting import StartingApp, loading_health, ready_line
 from semif_serve.worker.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, ServingLimits
 
 __all__ = ["EXIT_CUT_OFF", "GUNICORN_ERROR_CODES", "gunicorn_options", "run"]
@@ -140,6 +148,13 @@ class _Arbiter(Arbiter):
     WNOWAIT leaves the child to gunicorn's own waitpid): the next worker, forked from this
     process, finds it in `app.previous_worker`. gunicorn's child_exit hook gets no status."""
 
+    def start(self) -> None:
+        """Listen on SEMIF_BIND first (`listen`), unless systemd or a re-exec handed gunicorn
+        its sockets; then gunicorn's start, which logs "Listening at"."""
+        if not self.LISTENERS and not {"LISTEN_FDS", "GUNICORN_FD"} & set(os.environ):
+            self.LISTENERS = [listen(self.cfg, self.log)]
+        super().start()
+
     def reap_workers(self) -> None:
         for pid in list(self.WORKERS) if hasattr(os, "waitid") else ():  # macOS before 3.13
             try:
@@ -155,9 +170,17 @@ class _Gunicorn(BaseApplication):
     previous_worker: WorkerEnd | None = None  # set by _Arbiter in the master; a fork inherits it
     heartbeat: Callable[[], None] | None = None  # the worker's, set in it by `forked`
 
-    def __init__(self, app_factory: Callable[[], Any], options: dict[str, Any]):
+    def __init__(
+        self,
+        app_factory: Callable[[], Any],
+        options: dict[str, Any],
+        starting: dict[str, Any] | None = None,
+        on_ready: Callable[[Any], None] = lambda app: None,
+    ):
         self._app_factory = app_factory
         self._options = options
+        self._starting = starting or {"status": "loading"}
+        self._on_ready = on_ready
         super().__init__()
 
     def load_config(self) -> None:
@@ -165,8 +188,10 @@ class _Gunicorn(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self) -> Any:
+        """In the worker: the app, built on a thread while the worker answers (StartingApp)."""
         configure_logging()
-        return self._app_factory()
+        expected, logged = (ConfigError, StartupError), (ModelLoadFailed,)  # by the runtime
+        return StartingApp(self._app_factory, self._starting, self._on_ready, expected, logged)
 
     def run(self) -> None:  # BaseApplication.run, with _Arbiter
         try:
@@ -301,6 +326,27 @@ def replay_management(
         log.info("%s", replayed)
 
 
+def starting_health(settings: Settings) -> dict[str, Any]:
+    from semif_serve.runtime.specs import load_models_file
+
+    files = settings.models_file
+    return loading_health(
+        load_models_file(files, settings)[1] if files else "default", SEMIF_COMMIT
+    )
+
+
+def announce_ready(settings: Settings, note: str | None) -> Callable[[Any], None]:
+    """The worker's `ready` line (the default model, the URL), then `note` on stdout."""
+
+    def ready(app: Any) -> None:
+        model = (RUNTIME.default_id, RUNTIME.default_model_info()) if RUNTIME else None
+        log.info("%s", ready_line(f"http://{settings.bind}", model))
+        if note:
+            print(note, flush=True)
+
+    return ready
+
+
 def close_runtime(server: Any, worker: Any) -> None:
     """gunicorn's worker_exit hook: after requests drained, stop the runtime and its models."""
     if RUNTIME is not None:
@@ -311,13 +357,15 @@ def run(
     settings: Settings,
     app_factory: Callable[[], Any] | None = None,
     engine_factory: Callable[..., Any] | None = None,
+    ready_note: str | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT; exits non-zero when the worker fails to boot, and with
     EXIT_CUT_OFF when the shutdown grace period cut off requests still in progress.
 
-    SEMIF_STATE_DIR is checked first (ConfigError naming it); unset, the management state lives
-    in a private folder this process removes when it stops. `engine_factory`: the production
-    app over tests' fake engines."""
+    SEMIF_STATE_DIR is checked first, then SEMIF_BIND is listened on (a ConfigError names
+    either); unset, the management state lives in a private folder this process removes when
+    it stops. `engine_factory`: the production app over tests' fake engines; `ready_note`:
+    printed to stdout each time a worker is ready (`serve --token-file`'s curl example)."""
     master = os.getpid()  # the forked worker returns through here too, with its SystemExit
     folder = own_folder(settings.state_dir) if settings.state_dir else None
     private = None
@@ -334,6 +382,8 @@ def run(
                 )
             ),
             gunicorn_options(settings, cut_off),
+            starting_health(settings),
+            announce_ready(settings, ready_note),
         )
         server.run()
     except SystemExit as done:

@@ -44,7 +44,13 @@ def wait_for_file(path: Path, timeout: float = 10) -> None:
 
 
 class LiveServer:
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
+    """`with LiveServer(...)` returns once /health answers `ready_status` (200: ready; 503: the
+    worker is up and its models are loading)."""
+
+    def __init__(
+        self, command: list[str], env: dict[str, str], log_path: Path, ready_status: int = 200
+    ):
+        self.ready_status = ready_status
         self.port = free_port()
         self.env = {
             **os.environ,
@@ -65,7 +71,7 @@ class LiveServer:
             assert self.process.poll() is None, f"server exited early:\n{self.log_text()}"
             assert time.monotonic() < deadline, f"server did not start:\n{self.log_text()}"
             try:
-                if self.request("GET", "/health", timeout=1)[0] == 200:
+                if self.request("GET", "/health", timeout=1)[0] == self.ready_status:
                     return self
             except OSError:
                 time.sleep(0.05)
@@ -110,12 +116,14 @@ def real_env(builtin_cache: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def fake_server(tmp_path: Path, gated: bool = False, **env: str) -> LiveServer:
+def fake_server(
+    tmp_path: Path, gated: bool = False, ready_status: int = 200, **env: str
+) -> LiveServer:
     control = tmp_path / "control"
     control.mkdir(exist_ok=True)
     script = Path(__file__).parent / "serve_fake.py"
     extra = {"SEMIF_TEST_CONTROL": str(control), "SEMIF_TEST_GATED": "1" if gated else "0", **env}
-    return LiveServer([sys.executable, str(script)], extra, tmp_path / "server.log")
+    return LiveServer([sys.executable, str(script)], extra, tmp_path / "server.log", ready_status)
 
 
 def read_response(sock: socket.socket) -> tuple[int, dict]:

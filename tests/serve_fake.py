@@ -2,7 +2,9 @@
 
 SEMIF_TEST_CONTROL names a folder. With SEMIF_TEST_GATED=1 every scorer call writes
 `entered-<n>` there and waits (bounded) for a `release` file. Every admitted POST writes
-`admitted-<n>`. Everything else is the production app and gunicorn configuration.
+`admitted-<n>`. With SEMIF_TEST_START=gated the app is built only once a `start` file appears
+(the worker answers meanwhile); with SEMIF_TEST_START=fails its build raises a StartupError.
+Everything else is the production app and gunicorn configuration.
 """
 
 import os
@@ -51,6 +53,13 @@ class ReportingLimit(InFlightLimit):
 
 def app():
     settings = Settings.from_env()
+    start = os.environ.get("SEMIF_TEST_START")
+    if start == "gated":
+        wait_for(CONTROL / "start")
+    elif start == "fails":
+        from semif_serve.engine.boot import StartupError
+
+        raise StartupError("model 'default' (fake): the warm-up decision failed on purpose")
     scorer = GatedScorer() if os.environ.get("SEMIF_TEST_GATED") == "1" else FakeScorer()
     service = DecisionService(fake_runtime(scorer, settings), settings)
     return create_app(service, settings, ReportingLimit(settings.max_queue))

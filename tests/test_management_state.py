@@ -293,6 +293,8 @@ def test_serve_with_a_bad_state_folder_exits_2_naming_it(tmp_path, monkeypatch, 
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("SEMIF_API_TOKEN", TOKEN)
     monkeypatch.setenv("SEMIF_STATE_DIR", str(tmp_path / "file" / "state"))
+    monkeypatch.setenv("SEMIF_MODEL", "builtin:smollm2-135m")  # a model and device that pass
+    monkeypatch.setenv("SEMIF_DEVICE", "cpu")  # the checks made before the state folder's
     assert cli.main(["serve"]) == 2
     assert capsys.readouterr().err.startswith("semif-serve: error: SEMIF_STATE_DIR: cannot create")
 

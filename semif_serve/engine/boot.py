@@ -12,6 +12,7 @@ before it tears anything down.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 from semif_serve.engine.engine import Engine
@@ -126,6 +127,66 @@ def check_source(
         return inspect(spec.source, spec.revision, dtype=spec.dtype, cache_dir=settings.cache_dir)
     except ModelLoadError as error:
         raise BadManagementRequest(f"{spec.id}.source: {error}") from None
+
+
+def check_startup_models(settings: Any, torch_module: Any = None, inspect: Any = None) -> None:
+    """`semif-serve serve`'s check before anything is printed or bound, in gunicorn's master:
+    each startup model's device is one torch sees and its source is here (a built-in name with
+    its file, a folder, a cached hub commit; nothing converted, no weights read). A ConfigError
+    names the variable. No CUDA context is made (a forked worker could not use it): the card's
+    arch, the VRAM cap, the load and the warm-up stay the worker's (INV-3)."""
+    from semif_serve.config import ConfigError
+    from semif_serve.engine.loading import ModelLoadError
+    from semif_serve.runtime.specs import default_spec, load_models_file
+
+    if torch_module is None:
+        import torch as torch_module
+    if inspect is None:
+        from semif_serve.engine.loading import inspect_source as inspect
+    if settings.models_file:
+        specs, _ = load_models_file(settings.models_file, settings)
+    else:
+        specs = [default_spec(settings)]
+    for spec in (spec for spec in specs if spec.load_on_startup):
+        named = partial(startup_variable, spec.id if settings.models_file else None)
+        problem = invisible_device(spec.device, torch_module)
+        if problem is not None:
+            raise ConfigError(f"{named('device')}: {problem}")
+        try:
+            inspect(spec.source, spec.revision, dtype=spec.dtype, cache_dir=settings.cache_dir)
+        except ModelLoadError as error:
+            field, _, why = str(error).partition(": ")
+            if field == "revision":
+                raise ConfigError(f"{named('revision')}: {why}") from None
+            raise ConfigError(f"{named('source')}: {error}") from None
+
+
+def startup_variable(model_id: str | None, field: str) -> str:
+    """What a startup check names: SEMIF_MODEL, SEMIF_REVISION or SEMIF_DEVICE for the one
+    model of SEMIF_MODEL (`model_id` None), else the field of SEMIF_MODELS_FILE's table."""
+    if model_id is None:
+        return "SEMIF_MODEL" if field == "source" else f"SEMIF_{field.upper()}"
+    return f"SEMIF_MODELS_FILE: [{model_id}] {field}"
+
+
+def invisible_device(device: str, torch_module: Any) -> str | None:
+    """Why torch cannot use `device` as far as it can tell without a CUDA context (its device
+    count comes from NVML), or None."""
+    if device == "cpu":
+        return None
+    count = torch_module.cuda.device_count()
+    if count == 0:
+        return (
+            f"{device} asked for, but torch sees no CUDA device; set SEMIF_DEVICE=cpu to serve "
+            "on the CPU on purpose"
+        )
+    index = device.partition(":")[2]
+    if index and int(index) >= count:
+        return (
+            f"{device} asked for, but torch sees {count} CUDA device(s) "
+            f"(cuda:0..cuda:{count - 1}); check CUDA_VISIBLE_DEVICES"
+        )
+    return None
 
 
 def build_engine(

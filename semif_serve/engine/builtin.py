@@ -104,6 +104,12 @@ def checked_snapshot(gguf: Path, folder: Path) -> dict[str, Any]:
                 reason,
                 gguf,
             )
+        else:
+            log.info(
+                "%s: converting the built-in model into %s (first start only, ~30 s)",
+                SMOLLM2,
+                folder,
+            )
         _convert(gguf, folder)
         manifest, reason = check_folder(folder)
         if manifest is None:

@@ -10,7 +10,9 @@ client read and write bounded (issues 13 and 21). It is built from one part per 
 - replies.py: the reply sent from the event loop within SEMIF_WRITE_TIMEOUT_S, and
   the lingering close;
 - shutdown.py: on SIGTERM, the grace period SEMIF_GRACEFUL_TIMEOUT_S and the report
-  of what it cut off (EXIT_CUT_OFF).
+  of what it cut off (EXIT_CUT_OFF);
+- starting.py: the replies while the startup models load (/health a 503 `loading`), and the
+  worker's boot-error exit when they cannot.
 
 This module holds what the parts share: the limits, where each connection is, its deadline, and
 the event loop that runs them all.
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import math
 import selectors
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from gunicorn import util as gunicorn_util
+from gunicorn.arbiter import Arbiter
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from semif_serve.worker.connections import ConnectionAccounting, raise_open_file_limit
@@ -94,10 +98,16 @@ class SemifWorker(
             self.notify()
             self.admit_connections()
             self.wait_for_and_dispatch_events(timeout=self.next_wake(1.0))
-            if not self.is_parent_alive():
+            if not self.is_parent_alive() or self.start_failed():
                 break
             self.expire()
         self.shut_down()
+        if self.start_failed():  # logged by StartingApp; the master stops: "failed to boot"
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)
+
+    def start_failed(self) -> bool:
+        """Whether the app (semif_serve/worker/starting.py) could not be built."""
+        return getattr(self.wsgi, "failed", None) is not None
 
     # Deadlines ----------------------------------------------------------------------------
 
