@@ -33,6 +33,9 @@ def test_the_gpu_suites_run_and_report_every_figure():
     assert shared["compared"] == 3 and shared["argmax_flips"] == 0
     assert shared["max_probability_difference"] <= 1e-5
     assert serving["server_env"]["SEMIF_DEVICE"] == "cpu"
+    growing = serving["growing"]  # a hybrid model's grown versions resume, exactly
+    assert growing["versions"] == 2 and growing["cached_tokens"]["min"] > 0
+    assert growing["max_probability_difference"] <= 1e-5 and growing["growing_grown_vs_cold"] > 0
     batching = serving["batching"]
     assert batching["env"]["SEMIF_MAX_BATCH_ROWS"] == "4"
     assert serving["start_to_ready_s_batching"] > 0

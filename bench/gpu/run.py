@@ -46,6 +46,8 @@ SERVING_FULL = {
     "batch_rounds": 4,
     "batch_tokens": {"short": 200, "long": 2000},
     "batch_env": {"SEMIF_MAX_BATCH_ROWS": "16", "SEMIF_MAX_BATCH_TOKENS": "32768"},
+    "growing_tokens": 1800,
+    "growing_versions": 20,
 }
 SERVING_SMOKE = {
     "decide_tokens": 120,
@@ -58,6 +60,8 @@ SERVING_SMOKE = {
     "batch_rounds": 1,
     "batch_tokens": {"short": 60, "long": 120},
     "batch_env": {"SEMIF_MAX_BATCH_ROWS": "4", "SEMIF_MAX_BATCH_TOKENS": "4096"},
+    "growing_tokens": 150,
+    "growing_versions": 2,
 }
 
 

@@ -13,7 +13,9 @@ decision) on a sample of states (target <= 1%). Then the dynamic batcher (issue 
 callers with distinct ~200- and ~2k-token states on the restarted server (batching off, the
 default) and on a third start with batching on (same caches), decisions/s on vs off (targets
 >= 8x at ~200 tokens, >= 1.8x at ~2k on an H200) with p50/p99 per request, and one caller alone
-(latency on vs off, target <= 1.05x).
+(latency on vs off, target <= 1.05x). And growing states (issue 31): a ~1,800-token JSON log
+grown by one event 20 times, each version resumed from the one before vs the same call cold
+(a session of its own), target <= 0.2x server-side.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import time
 from pathlib import Path
 
 from benchlib import concurrent_callers, p99, spread, timed
-from workloads import distinct_states, make_workload
+from workloads import distinct_states, log_state, make_workload
+from workloads import row as log_row
 
 from semif_serve.engine.kernel_cache import SUBFOLDERS, SWITCHES
 
@@ -47,6 +50,7 @@ TARGETS = {
     "batching_short_on_vs_off": 8.0,
     "batching_long_on_vs_off": 1.8,
     "batching_alone_on_vs_off": 1.05,
+    "growing_grown_vs_cold": 0.2,
 }
 
 
@@ -114,10 +118,12 @@ class Server:
                 self.process.wait(STOP_TIMEOUT_S)
         self.log.close()
 
-    def request(self, method: str, path: str, body=None, timeout: float = 300):
+    def request(self, method: str, path: str, body=None, timeout: float = 300, session=None):
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+            if session is not None:
+                headers["X-Semif-Session"] = session
             payload = json.dumps(body).encode() if body is not None else None
             connection.request(method, path, body=payload, headers=headers)
             response = connection.getresponse()
@@ -125,8 +131,8 @@ class Server:
         finally:
             connection.close()
 
-    def decide(self, row: dict) -> dict:
-        status, body = self.request("POST", "/decide", row)
+    def decide(self, row: dict, session: str | None = None) -> dict:
+        status, body = self.request("POST", "/decide", row, session=session)
         if status != 200:
             raise RuntimeError(f"/decide answered {status}: {body}")
         return body
@@ -185,6 +191,38 @@ def shared_throughput(server: Server, groups: list[list[dict]], fresh_states: in
         "compared": compared,
         "argmax_flip_fraction": flips / compared if compared else None,
         "max_probability_difference": worst,
+    }
+
+
+def growing_state(server: Server, tokenizer, tokens: int, versions: int) -> dict:
+    """An agent's JSON log of about `tokens` tokens, stored, then `versions` versions each grown
+    by one event (issue 31): each grown call (its session's store holds the version before) in
+    turns with the same call in a session of its own (nothing stored there: a cold prefill);
+    server-side seconds. Target: grown p50 <= 0.2x cold p50."""
+    per_ten = len(tokenizer.encode(json.dumps(log_state("json", 0, 10))))
+    base = max(2, round(10 * tokens / per_ten))
+    server.decide(log_row(log_state("json", 0, base)), session="growing")
+    seconds: dict[str, list[float]] = {"grown": [], "cold": []}
+    resumed, worst = [], 0.0
+    for version in range(1, versions + 1):
+        body = log_row(log_state("json", version, base))
+        calls = [("grown", "growing"), ("cold", f"cold-{version}")]
+        replies = {}
+        for name, session in calls if version % 2 else calls[::-1]:
+            replies[name] = server.decide(body, session=session)
+            seconds[name].append(replies[name]["total_seconds"])
+        resumed.append(replies["grown"]["cached_tokens"])
+        pairs = zip(replies["grown"]["probabilities"], replies["cold"]["probabilities"])
+        worst = max(worst, *(abs(a - b) for a, b in pairs))
+    grown, cold = spread(seconds["grown"]), spread(seconds["cold"])
+    return {
+        "input_tokens": replies["grown"]["input_tokens"],
+        "versions": versions,
+        "grown_server_s": grown,
+        "cold_server_s": cold,
+        "cached_tokens": spread(resumed),
+        "max_probability_difference": worst,
+        "growing_grown_vs_cold": grown["p50"] / cold["p50"],
     }
 
 
@@ -251,6 +289,9 @@ def serving_suite(
             )
             if start == "cold":
                 report["shared"] = shared_throughput(server, groups, sizes["fresh_states"])
+                report["growing"] = growing_state(
+                    server, tokenizer, sizes["growing_tokens"], sizes["growing_versions"]
+                )
             else:
                 off = concurrency(server, workloads, callers)
                 off["alone_s"] = alone(server, decide_row, sizes["decide_rounds"])
