@@ -9,14 +9,15 @@ resumes there and prefills only the new event) and cold (a fresh store: the whol
 Target: grown p50 at most 0.15x cold p50, text and JSON. Then states that share nothing with
 what is stored are scored on the warm scorer (a miss after a lookup) against a fresh store (a
 miss with nothing to look up), in turns (each goes first every other round): target at most
-1.02x, the lookup being cheap (at most the chat template's start is shared, and resumed when it
-is 128 tokens or more). Every grown result
-equals its cold one within 1e-5 and says it resumed (`cached_tokens` > 0).
+1.02x for the median of the rounds' ratios, the lookup being cheap (at most the chat template's
+start is shared, and resumed when it is 128 tokens or more). Every grown result equals its cold
+one within 1e-5 and says it resumed (`cached_tokens` > 0).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 
 from benchlib import FULL, report, spread
 from test_prefix_cache_speed import UNBOUNDED, worst_difference
@@ -100,15 +101,19 @@ def test_an_unrelated_state_costs_a_plain_miss(bench_model, benchmark):
             samples.append(measured(call))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     wall = {"looked_up": spread([x[0] for x in looked]), "plain": spread([x[0] for x in plain])}
-    ratio = wall["looked_up"]["p50"] / wall["plain"]["p50"]
+    # Each round's two calls ran back to back: their ratio leaves out the minutes-long drift of
+    # these shared cores (one cold call took 4.3-7.4 s in one run), which p50 / p50 keeps.
+    paired = statistics.median(a[0] / b[0] for a, b in zip(looked, plain, strict=True))
     report(
         "growing_state_unrelated",
-        "/decide over an unrelated state with four logs stored (a miss after the lookup)",
-        "the same call with nothing stored",
-        ratio,
+        "/decide over an unrelated state with four logs stored (a miss after the lookup), "
+        "median of the rounds' ratios",
+        "the same call with nothing stored, in the same round",
+        paired,
+        p50_over_p50=wall["looked_up"]["p50"] / wall["plain"]["p50"],
         reused_tokens=[x[2]["cached_tokens"] for x in looked],  # the chat template's start, if any
         **wall,
     )
     assert worst_difference([x[2] for x in looked], [x[2] for x in plain]) <= TOLERANCE
     if FULL:
-        assert ratio <= LOOKUP_TARGET, wall
+        assert paired <= LOOKUP_TARGET, wall
