@@ -161,9 +161,9 @@ LINEAR_FLAGS = (
 )
 
 
-# A linear-attention layer's token count: a tensor it adds to in place, and what the cache's
-# get_seq_length() returns when its first layer is one (Qwen3.5's is), so the position of every
-# token a prefill then runs. A copy shares it unless given its own.
+# A linear-attention layer's token count (transformers 5.25 on): a tensor it adds to in place,
+# and what the cache's get_seq_length() returns when its first layer is one (Qwen3.5's is), so
+# the position of every token a prefill then runs. A copy shares it unless given its own.
 LINEAR_COUNTER = "cumulative_length_linear"
 
 
@@ -180,8 +180,10 @@ def _layer_copy(
             setattr(twin, name, {key: _clone(tensor) for key, tensor in source.items()})
         for name in LINEAR_FLAGS:  # dicts the layer updates in place
             setattr(twin, name, dict(getattr(layer, name)))
-        count = getattr(layer, LINEAR_COUNTER)
-        setattr(twin, LINEAR_COUNTER, count.clone() if length is None else count.new_tensor(length))
+        count = getattr(layer, LINEAR_COUNTER, None)
+        if count is not None:  # transformers 5.25 on; 5.24 counts its attention layers' tokens
+            own = count.clone() if length is None else count.new_tensor(length)
+            setattr(twin, LINEAR_COUNTER, own)
     return twin
 
 
