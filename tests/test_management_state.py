@@ -359,10 +359,9 @@ def put(server: LiveServer, model_id: str, table: dict) -> None:
     assert status == 200, body
 
 
-def kill_worker_and_wait_for_the_next(server: LiveServer) -> int:
-    """SIGKILL the worker (not the master); return the new worker's pid once it answers."""
-    [old] = worker_pids(server)[-1:]
-    os.kill(old, signal.SIGKILL)
+def wait_for_the_worker_after(server: LiveServer, old: int) -> int:
+    """Return the pid of the worker that replaced `old` once its /health answers 200: a worker
+    that has booted may still be starting (503) while it replays the management state."""
     deadline = time.monotonic() + RESPAWN_TIMEOUT_S
     while True:
         assert server.process.poll() is None, f"the master exited:\n{server.log_text()}"
@@ -375,6 +374,13 @@ def kill_worker_and_wait_for_the_next(server: LiveServer) -> int:
             except OSError:
                 pass
         time.sleep(0.05)
+
+
+def kill_worker_and_wait_for_the_next(server: LiveServer) -> int:
+    """SIGKILL the worker (not the master); return the new worker's pid once it answers."""
+    [old] = worker_pids(server)[-1:]
+    os.kill(old, signal.SIGKILL)
+    return wait_for_the_worker_after(server, old)
 
 
 def test_a_respawned_worker_serves_every_put_and_says_its_predecessor_was_killed(tmp_path):
@@ -498,10 +504,8 @@ def test_a_worker_whose_predecessor_ended_cleanly_says_nothing_of_it(tmp_path):
         put(server, "extra", {"source": "fake-extra"})
         [old] = worker_pids(server)
         os.kill(old, signal.SIGTERM)
-        deadline = time.monotonic() + RESPAWN_TIMEOUT_S
-        while worker_pids(server)[-1] == old or "registered extra" not in server.log_text():
-            assert time.monotonic() < deadline, server.log_text()
-            time.sleep(0.05)
+        wait_for_the_worker_after(server, old)
+        assert "registered extra" in server.log_text().split(f"pid: {old}", 1)[1]
         assert models(server)["extra"]["loaded"] is True
         log = server.log_text()
     assert "previous worker" not in log
