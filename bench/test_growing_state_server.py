@@ -20,9 +20,7 @@ from benchlib import FULL, model_source, report, sampled_peak, spread
 from fakes import AUTH
 from live_server import LiveServer, semif_serve_command
 from test_prefix_cache_memory import MARGIN_BYTES, MIB, vm_rss, worker_pid
-from workloads import log_state, row
-
-from semif_serve.state_key import state_json
+from workloads import events_for, log_state, row
 
 GIB = 1 << 30
 BUDGET_GIB = 0.5  # a ~1,800-token SmolLM2 entry is ~85 MiB; a grown version and its parent both
@@ -30,12 +28,6 @@ VERSIONS = 20 if FULL else 3
 TARGET = 0.15
 TOLERANCE = 1e-5
 STATE_TOKENS = 1800 if FULL else 200
-
-
-def events_for(tokenizer, kind: str, tokens: int) -> int:
-    """Events of a log whose state is about `tokens` tokens long."""
-    per_ten = len(tokenizer.encode(state_json(log_state(kind, 0, 10))))
-    return max(2, round(10 * tokens / per_ten))
 
 
 def server_env(source: str, cache_gib: float) -> dict[str, str]:

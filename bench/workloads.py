@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+from semif_serve.state_key import state_json
+
 WORDS = (
     "invoice customer payment refund account service outage printer network billing contract "
     "delivery warehouse supplier shipment delay report audit finance support ticket priority "
@@ -111,6 +113,12 @@ def log_state(kind: str, events: int, base: int, topic: str = "printer") -> obje
         "agent": f"triage-{topic}",
         "events": [{"n": n, "note": line} for n, line in enumerate(lines)],
     }
+
+
+def events_for(tokenizer, kind: str, tokens: int) -> int:
+    """Events of a `kind` log whose state is about `tokens` tokens long as the prompt embeds it."""
+    per_ten = len(tokenizer.encode(state_json(log_state(kind, 0, 10))))
+    return max(2, round(10 * tokens / per_ten))
 
 
 def row(state: object, question: str = "Has the agent found the printer fault?") -> dict:

@@ -50,6 +50,10 @@ class ServerBusy(ServeError):
     """SEMIF_MAX_QUEUE requests are already in progress → 429."""
 
 
+class ServerStarting(ServeError):
+    """The worker's startup models are still loading; every route but /health → 503."""
+
+
 class OutOfMemory(ServeError):
     """The accelerator ran out of memory during scoring; the process stays up → 503."""
 

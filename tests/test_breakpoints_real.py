@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from exactness import worst_difference
 from rows_factory import make_rows
 from test_breakpoints import HISTORY, QUESTIONS, log_input, marked_text
 
@@ -58,14 +59,6 @@ def test_only_the_last_marks_are_kept(smollm2):
     assert last == encoded.breakpoints
 
 
-def worst(expected: list[dict], results: list[dict]) -> float:
-    return max(
-        abs(a - b)
-        for one, other in zip(expected, results, strict=True)
-        for a, b in zip(one["probabilities"], other["probabilities"])
-    )
-
-
 @pytest.mark.parametrize("marked", [True, False])
 def test_a_hybrid_state_changed_after_its_mark_resumes_from_the_breakpoint_exactly(
     tiny_qwen, marked
@@ -76,7 +69,7 @@ def test_a_hybrid_state_changed_after_its_mark_resumes_from_the_breakpoint_exact
     changed = rows_over("fixed, test page printed clean", marked)
     cold, _ = score_shared(tiny_qwen, changed, max_tokens=4096)
     cached, timing = score_shared(tiny_qwen, changed, max_tokens=4096, prefix_cache=view)
-    assert worst(cold, cached) <= 1e-5
+    assert worst_difference(cold, cached) <= 1e-5
     if marked:
         assert timing["reuse_point"] == BREAKPOINT and timing["cached_tokens"] > 100
     else:  # the status changed before the boundary checkpoint: nothing to resume from

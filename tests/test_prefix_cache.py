@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from exactness import worst_difference
 from rows_factory import STATE, make_rows
 
 from semif_serve.engine.engine import Engine
@@ -27,12 +28,6 @@ TOLERANCE = 1e-5
 MAX_TOKENS = 4096
 MODEL = ("source", "test")
 WAIT_S = 60
-
-
-def worst_difference(one: dict, other: dict) -> float:
-    assert one["option_ids"] == other["option_ids"]
-    assert one["prompt_sha256"] == other["prompt_sha256"]
-    return max(abs(a - b) for a, b in zip(one["probabilities"], other["probabilities"]))
 
 
 def state(number: int) -> dict:
@@ -61,7 +56,7 @@ def test_a_hit_scores_what_a_fresh_direct_call_scores(request, model_name):
     assert all(result["cache_hit"] for result in shared + again)
     assert "cache_hit" not in timing
     for results in (direct, shared, again):
-        assert max(map(worst_difference, expected, results)) <= TOLERANCE
+        assert worst_difference(expected, results) <= TOLERANCE
     stats = view.stats()
     assert stats | {"bytes": 0, "prefilled_tokens": 0, "reused_tokens": 0} == {
         "hits": 10,
@@ -91,13 +86,13 @@ def test_an_entry_never_changes_however_often_it_is_used(tiny_qwen):
     for use in range(50):
         row = rows[use % len(rows)]
         result = score(tiny_qwen, row, max_tokens=MAX_TOKENS, prefix_cache=view)
-        worst = max(worst, worst_difference(expected[use % len(rows)], result))
+        worst = max(worst, worst_difference([expected[use % len(rows)]], [result]))
         assert result["cache_hit"]
         score(tiny_qwen, others[use % 3], max_tokens=MAX_TOKENS, prefix_cache=view)
     shared, _ = score_shared(tiny_qwen, rows, max_tokens=MAX_TOKENS, prefix_cache=view)
 
     assert worst <= TOLERANCE
-    assert max(map(worst_difference, expected, shared)) <= TOLERANCE
+    assert worst_difference(expected, shared) <= TOLERANCE
     after = entry_tensors(entry.cache)
     assert all(torch.equal(old, new) for old, new in zip(before, after, strict=True))
 
@@ -124,8 +119,8 @@ def test_rows_with_orderings_hit_and_stay_exact(tiny_qwen):
     shared, _ = score_shared(tiny_qwen, orderings, max_tokens=MAX_TOKENS, prefix_cache=view)
     direct = [score(tiny_qwen, row, max_tokens=MAX_TOKENS, prefix_cache=view) for row in orderings]
     assert all(result["cache_hit"] for result in shared + direct)
-    assert max(map(worst_difference, expected, shared)) <= TOLERANCE
-    assert max(map(worst_difference, expected, direct)) <= TOLERANCE
+    assert worst_difference(expected, shared) <= TOLERANCE
+    assert worst_difference(expected, direct) <= TOLERANCE
 
 
 def test_parallel_calls_share_entries_and_stay_exact(tiny_qwen):
@@ -158,7 +153,7 @@ def test_parallel_calls_share_entries_and_stay_exact(tiny_qwen):
     for worker in workers:
         worker.join(WAIT_S)
     assert not failures and not any(worker.is_alive() for worker in workers)
-    assert max(worst_difference(expected[one["id"]], one) for one in results) <= TOLERANCE
+    assert worst_difference([expected[one["id"]] for one in results], results) <= TOLERANCE
     stats = view.stats()
     assert stats["hits"] + stats["misses"] == threads * calls
     assert stats["entries"] == 2 and 2 <= stats["misses"] <= threads * calls
@@ -170,7 +165,7 @@ def test_a_long_state_is_cached_at_the_default_minimum(tiny_qwen):
     view = PrefixCache(1 << 30).for_model(MODEL)
     results = [score(tiny_qwen, row, max_tokens=MAX_TOKENS, prefix_cache=view) for row in rows]
     assert [result["cache_hit"] for result in results] == [False, True]
-    assert max(map(worst_difference, fresh(tiny_qwen, rows), results)) <= TOLERANCE
+    assert worst_difference(fresh(tiny_qwen, rows), results) <= TOLERANCE
 
 
 def test_a_short_state_is_not_looked_up(tiny_qwen):
@@ -255,7 +250,7 @@ def test_out_of_memory_while_inserting_drops_entries_and_scores_cold(tiny_qwen, 
     result = through_the_engine(scorer).score(row)
 
     assert failures and result["cache_hit"] is False
-    assert worst_difference(fresh(tiny_qwen, [row])[0], result) <= TOLERANCE
+    assert worst_difference(fresh(tiny_qwen, [row]), [result]) <= TOLERANCE
     assert cache.total_bytes == 0  # every unpinned entry dropped, the new one too
     assert scorer.score(row)["cache_hit"] is False  # stored again after the cold call
     assert scorer.score(row)["cache_hit"] is True

@@ -6,6 +6,7 @@ whatever the reuse point. Hypothesis drives text and JSON states through random 
 from __future__ import annotations
 
 import pytest
+from exactness import worst_difference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rows_factory import make_rows
@@ -40,16 +41,6 @@ def json_state(events: list[str]) -> dict:
 STATES = {"text": text_state, "json": json_state}
 
 
-def worst(expected: list[dict], results: list[dict]) -> float:
-    worst = 0.0
-    for one, other in zip(expected, results, strict=True):
-        assert one["prompt_sha256"] == other["prompt_sha256"]
-        worst = max(
-            worst, *(abs(a - b) for a, b in zip(one["probabilities"], other["probabilities"]))
-        )
-    return worst
-
-
 def scored(scoring_model, state, view):
     """(cold results, results through `view`, the cached call's timing) for rows over `state`."""
     rows = make_rows(3, [2, 4], state=state)
@@ -69,7 +60,7 @@ def test_a_state_grown_event_by_event_resumes_its_last_version_exactly(request, 
     view = store().for_model(MODEL)
     for count in range(3, len(EVENTS) + 1):
         cold, cached, timing = scored(scoring_model, STATES[kind](EVENTS[:count]), view)
-        assert worst(cold, cached) <= TOLERANCE
+        assert worst_difference(cold, cached) <= TOLERANCE
         if count == 3:
             assert timing["cached_tokens"] == 0 and timing["prefix_stored"]
             continue
@@ -87,7 +78,7 @@ def test_a_state_edited_in_the_middle_or_cut_resumes_exactly(request, model_name
     edited = EVENTS[:4] + ["user changed the reported floor to 4"] + EVENTS[5:]
     for state in (text_state(edited), text_state(EVENTS[:5])):
         cold, cached, timing = scored(scoring_model, state, view)
-        assert worst(cold, cached) <= TOLERANCE
+        assert worst_difference(cold, cached) <= TOLERANCE
         assert timing["cached_tokens"] >= 32  # at least the first checkpoint
 
 
@@ -95,7 +86,7 @@ def test_the_hybrid_model_resumes_a_grown_json_state_at_the_boundary(tiny_qwen):
     view = store(checkpoint_tokens=0).for_model(MODEL)  # the boundary checkpoint only
     scored(tiny_qwen, json_state(EVENTS[:4]), view)
     cold, cached, timing = scored(tiny_qwen, json_state(EVENTS[:5]), view)
-    assert worst(cold, cached) <= TOLERANCE
+    assert worst_difference(cold, cached) <= TOLERANCE
     # JSON closes the state with `]}`: the grown version diverges just before the stored end.
     assert timing["reuse_point"] == BOUNDARY and timing["cached_tokens"] > 100
 
@@ -107,7 +98,7 @@ def test_a_direct_call_resumes_a_grown_state_too(smollm2):
     (grown,) = make_rows(1, 3, state=text_state(EVENTS[:6]))
     cold = score(smollm2, grown, max_tokens=MAX_TOKENS)
     cached = score(smollm2, grown, max_tokens=MAX_TOKENS, prefix_cache=view)
-    assert worst([cold], [cached]) <= TOLERANCE
+    assert worst_difference([cold], [cached]) <= TOLERANCE
     assert view.stats()["partial_hits"] == 1 and view.stats()["reused_tokens"] > 0
 
 
@@ -144,6 +135,6 @@ def test_any_sequence_of_versions_scores_what_cold_calls_score(request, model_na
             else:
                 events = events[: max(1, amount % len(events) or 1)]
             cold, cached, _ = scored(scoring_model, STATES[kind](events), view)
-            assert worst(cold, cached) <= TOLERANCE
+            assert worst_difference(cold, cached) <= TOLERANCE
 
     check()

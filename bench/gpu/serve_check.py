@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from benchlib import concurrent_callers, p99, spread, timed
-from workloads import distinct_states, log_state, make_workload
+from workloads import distinct_states, events_for, log_state, make_workload
 from workloads import row as log_row
 
 from semif_serve.engine.kernel_cache import SUBFOLDERS, SWITCHES
@@ -199,8 +199,7 @@ def growing_state(server: Server, tokenizer, tokens: int, versions: int) -> dict
     by one event (issue 31): each grown call (its session's store holds the version before) in
     turns with the same call in a session of its own (nothing stored there: a cold prefill);
     server-side seconds. Target: grown p50 <= 0.2x cold p50."""
-    per_ten = len(tokenizer.encode(json.dumps(log_state("json", 0, 10))))
-    base = max(2, round(10 * tokens / per_ten))
+    base = events_for(tokenizer, "json", tokens)
     server.decide(log_row(log_state("json", 0, base)), session="growing")
     seconds: dict[str, list[float]] = {"grown": [], "cold": []}
     resumed, worst = [], 0.0

@@ -25,6 +25,7 @@ from semif_serve.errors import (
     RequestTooLarge,
     ScoringFailed,
     ServerBusy,
+    ServerStarting,
     Unauthorized,
     UnsupportedEncoding,
 )
@@ -40,6 +41,7 @@ STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     Forbidden: (403, "forbidden"),
     ModelNotFound: (404, "model_not_found"),
     QueueTimedOut: (503, "server_busy"),
+    ServerStarting: (503, "server_busy"),
     InsufficientMemory: (503, "insufficient_memory"),
     Unauthorized: (401, "unauthorized"),
     RequestTooLarge: (413, "request_too_large"),
@@ -65,6 +67,7 @@ FALCON_CODES = {
 RETRY_AFTER_S = {
     ServerBusy: 1,
     QueueTimedOut: 1,
+    ServerStarting: 1,
     InsufficientMemory: 5,
     OutOfMemory: 1,
     ModelLoadFailed: 5,

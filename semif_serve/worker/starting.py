@@ -16,11 +16,14 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from typing import Any
 
+from semif_serve.errors import ServerStarting
+from semif_serve.http.errors import classify, envelope
+
 log = logging.getLogger(__name__)
-RETRY_AFTER_S = 1
-STARTING_MESSAGE = "the server is starting: its models are loading; retry in a moment"
+STARTING = ServerStarting("the server is starting: its models are loading; retry in a moment")
 
 
 class StartingApp:
@@ -86,18 +89,18 @@ class StartingApp:
         return self.starting_reply(environ, start_response)
 
     def starting_reply(self, environ: dict[str, Any], start_response: Callable) -> list[bytes]:
+        # The envelope, status and Retry-After of every refusal come from http/errors.py.
+        status, code, message, headers = classify(STARTING)
         if environ.get("PATH_INFO") == "/health":
             body = self._health
         else:
-            error = {"code": "server_busy", "message": STARTING_MESSAGE}
-            body = json.dumps({"error": error}).encode()
+            body = envelope(code, message).encode()
         start_response(
-            "503 Service Unavailable",
+            f"{status} {HTTPStatus(status).phrase}",
             [
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
-                ("Retry-After", str(RETRY_AFTER_S)),
-                ("retry-after-ms", str(RETRY_AFTER_S * 1000)),
+                *headers.items(),
             ],
         )
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
