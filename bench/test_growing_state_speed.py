@@ -16,13 +16,12 @@ one within 1e-5 and says it resumed (`cached_tokens` > 0).
 
 from __future__ import annotations
 
-import json
 import statistics
 
 from benchlib import FULL, report, spread
 from test_prefix_cache_speed import UNBOUNDED, worst_difference
 from test_shared_speed import measured
-from workloads import EVENT, log_state, row
+from workloads import events_for, log_state, row
 
 from semif_serve.engine.torch_scorer import TorchScorer
 from semif_serve.scoring import parse_row
@@ -33,19 +32,13 @@ TOLERANCE = 1e-5
 GROWN_TARGET = 0.15  # grown p50 / cold p50
 LOOKUP_TARGET = 1.02  # an unrelated state's miss with a populated store / with an empty one
 VERSIONS = 20
-
-
-def base_events(bench_model) -> int:
-    """Events for a ~1,800-token state (a few hundred tokens on the tiny byte model)."""
-    target = 1800 if FULL else 300
-    per_event = len(bench_model.tokenizer.encode(json.dumps(EVENT.format(n=10) + " (printer)")))
-    return max(2, target // per_event)
+STATE_TOKENS = 1800 if FULL else 300  # the first version's state (the tiny model: bytes)
 
 
 def test_grown_versions_vs_cold(bench_model, benchmark):
-    base = base_events(bench_model)
     figures = {}
     for kind in ("text", "json"):
+        base = events_for(bench_model.tokenizer, kind, STATE_TOKENS)
         warm = TorchScorer(bench_model, MAX_TOKENS, PrefixCache(UNBOUNDED))
         first = warm.score(parse_row(row(log_state(kind, 0, base))))
         assert not first["cache_hit"] and first["cached_tokens"] == 0
@@ -84,7 +77,7 @@ def test_grown_versions_vs_cold(bench_model, benchmark):
 
 
 def test_an_unrelated_state_costs_a_plain_miss(bench_model, benchmark):
-    base, rounds = base_events(bench_model), (10 if FULL else 3)
+    base, rounds = events_for(bench_model.tokenizer, "json", STATE_TOKENS), (10 if FULL else 3)
     warm = TorchScorer(bench_model, MAX_TOKENS, PrefixCache(UNBOUNDED))
     for topic in ("printer", "network", "badge", "laptop"):  # four stored logs to look past
         warm.score(parse_row(row(log_state("json", 0, base, topic))))
