@@ -14,9 +14,11 @@ serve: $(SERVING)
 	SEMIF_MODEL=$${SEMIF_MODEL:-builtin:smollm2-135m} SEMIF_DEVICE=$${SEMIF_DEVICE:-cpu} \
 		$(BIN)/semif-serve serve --token-file .semif-token
 
+# Two pytest-xdist workers, one per core; a worker takes tests from the other's share once its
+# own are done (worksteal), so the slow real-model tests end up spread over both.
 test: $(INSTALLED)
 	$(BIN)/ruff check semif_serve tests bench
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 # Mutation grids (mutation/grids.toml): every guarded function's mutants must be killed by the fast
 # fake-scorer tests or be recorded in mutation/equivalent.toml. Rebuilds mutants/ from scratch.

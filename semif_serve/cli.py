@@ -290,7 +290,7 @@ def run_serve(args: argparse.Namespace) -> int:
         check_startup_models(settings)
         run(
             settings,
-            ready_note=curl_example(settings.bind, args.token_file) if made_token else None,
+            ready_note=partial(curl_example, token_file=args.token_file) if made_token else None,
         )
     except ConfigError as error:
         print(f"semif-serve: error: {one_line(error)}", file=sys.stderr)

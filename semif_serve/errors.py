@@ -9,6 +9,11 @@ class ConfigError(ValueError):
     startup only (`semif_serve.config`), before anything is bound: one line, exit 2."""
 
 
+class StartupError(RuntimeError):
+    """The service must not start (a device, load or warm-up check failed); the message says
+    why and what to change. Raised by `semif_serve.engine.boot`: nothing is served."""
+
+
 class ServeError(Exception):
     """Base class: the message is safe to show to the caller."""
 

@@ -38,8 +38,7 @@ from gunicorn.arbiter import Arbiter
 
 from semif_serve.config import ConfigError, Settings, check_alias_targets
 from semif_serve.engine import native_memory
-from semif_serve.engine.boot import StartupError
-from semif_serve.errors import ModelLoadFailed
+from semif_serve.errors import ModelLoadFailed, StartupError
 from semif_serve.runtime.management_state import (
     STATE_FILE,
     ManagementState,
@@ -154,6 +153,7 @@ class _Arbiter(Arbiter):
         if not self.LISTENERS and not {"LISTEN_FDS", "GUNICORN_FD"} & set(os.environ):
             self.LISTENERS = [listen(self.cfg, self.log)]
         super().start()
+        self.app.address = bound_address(self.LISTENERS[0].sock.getsockname())
 
     def reap_workers(self) -> None:
         for pid in list(self.WORKERS) if hasattr(os, "waitid") else ():  # macOS before 3.13
@@ -166,8 +166,18 @@ class _Arbiter(Arbiter):
         super().reap_workers()
 
 
+def bound_address(name: Any) -> str:
+    """HOST:PORT of a listening socket's name, the port the kernel chose for SEMIF_BIND's `:0`
+    included; IPv6 hosts in brackets."""
+    if isinstance(name, str):  # a unix socket (systemd's)
+        return name
+    host, port = name[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class _Gunicorn(BaseApplication):
     previous_worker: WorkerEnd | None = None  # set by _Arbiter in the master; a fork inherits it
+    address: str | None = None  # where the master listens (set by _Arbiter; a fork inherits it)
     heartbeat: Callable[[], None] | None = None  # the worker's, set in it by `forked`
 
     def __init__(
@@ -175,7 +185,7 @@ class _Gunicorn(BaseApplication):
         app_factory: Callable[[], Any],
         options: dict[str, Any],
         starting: dict[str, Any] | None = None,
-        on_ready: Callable[[Any], None] = lambda app: None,
+        on_ready: Callable[[str | None], None] = lambda address: None,
     ):
         self._app_factory = app_factory
         self._options = options
@@ -191,7 +201,13 @@ class _Gunicorn(BaseApplication):
         """In the worker: the app, built on a thread while the worker answers (StartingApp)."""
         configure_logging()
         expected, logged = (ConfigError, StartupError), (ModelLoadFailed,)  # by the runtime
-        return StartingApp(self._app_factory, self._starting, self._on_ready, expected, logged)
+        return StartingApp(
+            self._app_factory,
+            self._starting,
+            lambda app: self._on_ready(self.address),
+            expected,
+            logged,
+        )
 
     def run(self) -> None:  # BaseApplication.run, with _Arbiter
         try:
@@ -253,10 +269,8 @@ def build_runtime(
     Without SEMIF_PARALLEL_SLOTS every engine shares one device queue (INV-2: a fair FIFO
     lock whose waits keep each request's deadline); every engine shares one state-prefix cache
     of SEMIF_PREFIX_CACHE_GIB."""
-    from semif_serve.engine.boot import build_engine, check_source
     from semif_serve.runtime.device import DeviceQueue
     from semif_serve.runtime.specs import default_spec, load_models_file
-    from semif_serve.scoring.prefix_cache import GIB, PrefixCache
 
     if settings.models_file:
         specs, default_id = load_models_file(settings.models_file, settings)
@@ -265,15 +279,24 @@ def build_runtime(
     check_alias_targets(settings.model_aliases, [spec.id for spec in specs])
     # Without SEMIF_PARALLEL_SLOTS every model's calls share the device, taken in turn (INV-2).
     shared_lock = DeviceQueue() if settings.parallel_slots is None else None
-    prefix_cache = PrefixCache(  # one budget, every model
-        int(settings.prefix_cache_gib * GIB),
-        checkpoint_tokens=settings.prefix_checkpoint_tokens,
-    )
-    factory = engine_factory or (
-        lambda spec: build_engine(settings, spec, lock=shared_lock, prefix_cache=prefix_cache)
-    )
-    # The real source check goes only with the real engines; tests' fake factories take any source.
-    source_check = None if engine_factory else (lambda spec: check_source(settings, spec))
+    # The real engines and their source check; tests' fake factories take any source, and their
+    # servers never import torch (engine.boot and the prefix cache do).
+    factory, source_check = engine_factory, None
+    if factory is None:
+        from semif_serve.engine.boot import build_engine, check_source
+        from semif_serve.scoring.prefix_cache import GIB, PrefixCache
+
+        prefix_cache = PrefixCache(  # one budget, every model
+            int(settings.prefix_cache_gib * GIB),
+            checkpoint_tokens=settings.prefix_checkpoint_tokens,
+        )
+
+        def factory(spec):
+            return build_engine(settings, spec, lock=shared_lock, prefix_cache=prefix_cache)
+
+        def source_check(spec):
+            return check_source(settings, spec)
+
     arguments = (settings, factory, specs, default_id)
     if state_file is None:
         return Runtime(*arguments, source_check=source_check, device=shared_lock)
@@ -335,14 +358,18 @@ def starting_health(settings: Settings) -> dict[str, Any]:
     )
 
 
-def announce_ready(settings: Settings, note: str | None) -> Callable[[Any], None]:
-    """The worker's `ready` line (the default model, the URL), then `note` on stdout."""
+def announce_ready(
+    settings: Settings, note: Callable[[str], str] | None
+) -> Callable[[str | None], None]:
+    """The worker's `ready` line (the default model, the URL the master listens on: SEMIF_BIND,
+    with the kernel's port for `:0`), then `note(address)` on stdout."""
 
-    def ready(app: Any) -> None:
+    def ready(address: str | None) -> None:
+        address = address or settings.bind
         model = (RUNTIME.default_id, RUNTIME.default_model_info()) if RUNTIME else None
-        log.info("%s", ready_line(f"http://{settings.bind}", model))
+        log.info("%s", ready_line(f"http://{address}", model))
         if note:
-            print(note, flush=True)
+            print(note(address), flush=True)
 
     return ready
 
@@ -357,7 +384,7 @@ def run(
     settings: Settings,
     app_factory: Callable[[], Any] | None = None,
     engine_factory: Callable[..., Any] | None = None,
-    ready_note: str | None = None,
+    ready_note: Callable[[str], str] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT; exits non-zero when the worker fails to boot, and with
     EXIT_CUT_OFF when the shutdown grace period cut off requests still in progress.
@@ -365,7 +392,8 @@ def run(
     SEMIF_STATE_DIR is checked first, then SEMIF_BIND is listened on (a ConfigError names
     either); unset, the management state lives in a private folder this process removes when
     it stops. `engine_factory`: the production app over tests' fake engines; `ready_note`:
-    printed to stdout each time a worker is ready (`serve --token-file`'s curl example)."""
+    its text for the address listened on is printed to stdout each time a worker is ready
+    (`serve --token-file`'s curl example)."""
     master = os.getpid()  # the forked worker returns through here too, with its SystemExit
     folder = own_folder(settings.state_dir) if settings.state_dir else None
     private = None

@@ -30,9 +30,19 @@ def pytest_configure(config):
     """Under a mutant, freeze the heap the run starts with. mutmut's fork server forks each
     mutant's run from a process that has imported torch and the whole selection; pytest's
     gc.collect calls (3 a run) then rescan all of it: about 0.8 s of a 1.0 s run of a mutant
-    that the first test kills, 0.2 s with the heap frozen."""
+    that the first test kills, 0.2 s with the heap frozen.
+
+    In a pytest-xdist worker (`make test` runs two, one per core), torch and every server the
+    worker starts use one intra-op thread: two workers of torch's default two threads each
+    oversubscribe two cores (the suite took 10 min 48 s of CPU this way instead of 16 min 56 s,
+    with the fake-scorer servers torch-free too; docs/testing.md)."""
     if under_mutant():
         gc.freeze()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,7 +20,12 @@ START_TIMEOUT_S = 90
 STOP_TIMEOUT_S = 30
 
 
+LISTENING = re.compile(rb"Listening at: http://127\.0\.0\.1:([0-9]+) ")
+
+
 def free_port() -> int:
+    """A port free now, for servers that cannot bind port 0 and say which port they got
+    (nginx); another process may take it before they bind."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -45,19 +51,15 @@ def wait_for_file(path: Path, timeout: float = 10) -> None:
 
 class LiveServer:
     """`with LiveServer(...)` returns once /health answers `ready_status` (200: ready; 503: the
-    worker is up and its models are loading)."""
+    worker is up and its models are loading). The server binds 127.0.0.1:0 and `port` is the
+    one its master says it listens on (no port is picked before the bind, so none is raced for)."""
 
     def __init__(
         self, command: list[str], env: dict[str, str], log_path: Path, ready_status: int = 200
     ):
         self.ready_status = ready_status
-        self.port = free_port()
-        self.env = {
-            **os.environ,
-            "SEMIF_API_TOKEN": TOKEN,
-            "SEMIF_BIND": f"127.0.0.1:{self.port}",
-            **env,
-        }
+        self.port: int | None = None
+        self.env = {**os.environ, "SEMIF_API_TOKEN": TOKEN, "SEMIF_BIND": "127.0.0.1:0", **env}
         self.log_path = log_path
         self.command = command
 
@@ -70,6 +72,10 @@ class LiveServer:
         while True:
             assert self.process.poll() is None, f"server exited early:\n{self.log_text()}"
             assert time.monotonic() < deadline, f"server did not start:\n{self.log_text()}"
+            if self.port is None:
+                self.port = self.listening_port()
+                time.sleep(0.01)
+                continue
             try:
                 if self.request("GET", "/health", timeout=1)[0] == self.ready_status:
                     return self
@@ -79,6 +85,11 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         stop(self.process, STOP_TIMEOUT_S)
         self.log.close()
+
+    def listening_port(self) -> int | None:
+        """The port gunicorn's master logged ("Listening at: ..."), once it has."""
+        found = LISTENING.search(self.log_path.read_bytes())
+        return int(found.group(1)) if found else None
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

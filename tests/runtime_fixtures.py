@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 
 from fakes import WAIT_S, FakeScorer, settings
 
@@ -159,8 +158,24 @@ def wait_until(predicate, timeout=WAIT_S):
         time.sleep(0.002)
 
 
-@contextmanager
-def not_before(event: threading.Event, what: str, grace: float = 0.2):
-    """Assert `event` does not happen while the block's precondition holds (bounded)."""
-    yield
-    assert not event.wait(grace), what
+class WatchedCondition(threading.Condition):
+    """A condition that says when a thread starts waiting on it while `when()` holds. `when` is
+    asked under the condition's lock, so it sees the state the waiter has just judged not
+    ready: a negative check ("it does not go ahead yet") becomes a positive event."""
+
+    def __init__(self, when=lambda: True):
+        super().__init__()
+        self.when = when
+        self.waited = threading.Event()
+
+    def wait(self, timeout=None):
+        if self.when():
+            self.waited.set()
+        return super().wait(timeout)
+
+
+def watch_waits(entry, when=lambda: True) -> threading.Event:
+    """Give a model's scheduler a WatchedCondition (while no thread waits on its old one); the
+    event is set once a thread waits on it while `when()` holds."""
+    entry._cond = WatchedCondition(when)
+    return entry._cond.waited

@@ -1,6 +1,7 @@
 """The engine's lock and memory policy against a fake torch (contract INV-2, INV-4; C4, C5, S9)."""
 
 import logging
+import threading
 
 import pytest
 from fake_torch import GIB, MIB, FakeTorch
@@ -281,14 +282,34 @@ def test_a_failure_logs_its_whole_traceback_as_text(caplog):
     assert expected.startswith("Traceback") and record.exc_info is None
 
 
-def test_two_threads_never_run_the_scorer_at_once_by_default():
+class ContendedSemaphore(threading.BoundedSemaphore):
+    """A semaphore that says when a caller found it taken and had to wait."""
+
+    def __init__(self, value=1):
+        super().__init__(value)
+        self.contended = threading.Event()
+
+    def acquire(self, blocking=True, timeout=None):
+        if super().acquire(blocking=False):
+            return True
+        self.contended.set()
+        return super().acquire(blocking, timeout)
+
+    __enter__ = acquire
+
+
+def test_two_threads_never_run_the_scorer_at_once_by_default(monkeypatch):
     scorer = FakeScorer(block=True)
-    engine = Engine(scorer)
+    monkeypatch.setattr(threading, "BoundedSemaphore", ContendedSemaphore)
+    engine = Engine(scorer)  # its own lock, the default
+    monkeypatch.undo()
     first = Background(lambda: engine.score(ROW))
     assert scorer.entered.wait(WAIT_S)
     scorer.entered.clear()
     second = Background(lambda: engine.score(ROW))
-    assert not scorer.entered.wait(0.2), "a second call entered the scorer while one ran"
+    # The second call waits at the engine's lock while the first is inside the scorer.
+    assert engine._lock.contended.wait(WAIT_S), "the second call never waited for the first"
+    assert not scorer.entered.is_set(), "a second call entered the scorer while one ran"
     scorer.release.set()
     first.result(), second.result()
     assert scorer.max_active == 1 and len(scorer.calls) == 2

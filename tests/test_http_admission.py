@@ -99,7 +99,13 @@ def test_a_content_length_that_is_not_ascii_digits_is_a_400_envelope():
 # --- request ids and logs ------------------------------------------------------------------------
 
 
-def test_request_ids_are_echoed_or_made_and_every_request_logs_one_json_line(caplog):
+def test_request_ids_are_echoed_or_made_and_every_request_logs_one_json_line(caplog, monkeypatch):
+    from semif_serve.http import middleware
+
+    # The access log's clock, read once when a request arrives and once when its reply is
+    # ready: each duration is exactly the time between those two readings, in milliseconds.
+    readings = iter([100.0, 100.0125, 200.0, 200.0005, 300.0, 300.25])
+    monkeypatch.setattr(middleware, "perf_counter", lambda: next(readings))
     api, _ = client()
     with caplog.at_level(logging.INFO, logger="semif_serve.access"):
         echoed = api.simulate_post(
@@ -118,7 +124,7 @@ def test_request_ids_are_echoed_or_made_and_every_request_logs_one_json_line(cap
     assert records[0]["request_id"] == "abc-123"
     assert records[2]["error"] == "unauthorized"
     assert refused.headers["x-request-id"] == records[2]["request_id"]
-    assert all(r["duration_ms"] >= 0 for r in records)
+    assert [r["duration_ms"] for r in records] == [12.5, 0.5, 250.0]
 
 
 def test_the_token_is_compared_in_constant_time(monkeypatch):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from fakes import AUTH, WAIT_S, FakeScorer, fake_runtime, row, settings
 from falcon import testing
-from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
+from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until, watch_waits
 
 from semif_serve.engine.engine import Engine
 from semif_serve.errors import ClientGone, ModelLoadFailed, OutOfMemory, QueueTimedOut
@@ -343,8 +343,10 @@ def test_a_manager_waits_for_a_load_whose_requester_left():
     factory.load_gate = threading.Event()
     early = Held(rt, "a", timeout_s=0.1)
     assert early.done.wait(WAIT_S) and isinstance(early.error, QueueTimedOut)
+    waits = watch_waits(rt.entry("a"))  # nobody waits on the model now; the load runs alone
     unload = Background(lambda: rt.unload("a"))
-    assert not unload.done.wait(0.2)  # bounded: the load holds the model
+    assert waits.wait(WAIT_S), "the unload never waited for the load"
+    assert not unload.done.is_set() and rt.entry("a").state == "loading"
     factory.load_gate.set()
     assert unload.result() == {"id": "a", "loaded": False}
     assert factory.events == [("load", "a"), ("close", "a")]

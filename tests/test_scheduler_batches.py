@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_runtime, row, settings
 from falcon import testing
-from runtime_fixtures import Held, runtime, spec, wait_until
+from runtime_fixtures import Held, runtime, spec, wait_until, watch_waits
 
 from semif_serve.engine.engine import Engine
 from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut, ScoringFailed
@@ -805,11 +805,13 @@ def test_a_batch_waits_for_company_until_its_wait_or_the_earliest_deadline_it_ho
 def test_a_batch_that_is_not_full_keeps_waiting_while_only_batched_requests_queue():
     scorer = BatchScorer()
     rt = batching_runtime(scorer, max_batch_rows=3, batch_wait_ms=60_000)  # past any bound here
+    # The leader waits again once it has seen `first` queued: two of three rows, not full.
+    waits = watch_waits(rt.entry("a"), when=lambda: queued_jobs(rt, "a") == 1)
     lone = Submitted(rt, "lone")
     wait_until(lambda: rt.entry("a")._active == 1)
     first = Submitted(rt, "first")
-    jobs_queued(rt, 1)
-    assert not lone.done.wait(0.2)  # bounded: two of three rows, still waiting for company
+    assert waits.wait(WAIT_S), "the leader stopped waiting for company with two of three rows"
+    assert not lone.done.is_set() and scorer.batches == []
     second = Submitted(rt, "second")  # the third row: full, it runs
     assert [r.result().outcome["id"] for r in (lone, first, second)] == ["lone", "first", "second"]
     assert scorer.batches == [["lone", "first", "second"]]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from fakes import AUTH, WAIT_S, row
-from live_server import STOP_TIMEOUT_S, fake_server, free_port, stop
+from live_server import STOP_TIMEOUT_S, fake_server, stop
 
 from semif_serve.worker.starting import StartingApp, loading_health, ready_line
 
@@ -122,6 +122,14 @@ def test_the_ready_line_names_the_model_its_dtype_device_and_the_url():
     assert ready_line("http://127.0.0.1:8471", None) == "ready at http://127.0.0.1:8471"
 
 
+def test_the_ready_address_is_the_one_listened_on_with_the_kernels_port_for_port_0():
+    from semif_serve.server import bound_address
+
+    assert bound_address(("127.0.0.1", 40123)) == "127.0.0.1:40123"
+    assert bound_address(("::1", 40123, 0, 0)) == "[::1]:40123"
+    assert bound_address("/run/semif.sock") == "/run/semif.sock"
+
+
 # --- through gunicorn ------------------------------------------------------------------------
 
 
@@ -152,7 +160,7 @@ def test_a_start_that_fails_is_one_line_and_gunicorn_stops_with_its_boot_error(t
     env = {
         **os.environ,
         "SEMIF_API_TOKEN": "t" * 40,
-        "SEMIF_BIND": f"127.0.0.1:{free_port()}",
+        "SEMIF_BIND": "127.0.0.1:0",
         "SEMIF_TEST_CONTROL": str(control),
         "SEMIF_TEST_START": "fails",
     }

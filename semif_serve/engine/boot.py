@@ -17,7 +17,7 @@ from typing import Any
 
 from semif_serve.engine.engine import Engine
 from semif_serve.engine.torch_scorer import TorchScorer
-from semif_serve.errors import BadManagementRequest
+from semif_serve.errors import BadManagementRequest, StartupError
 from semif_serve.runtime.specs import MAX_SLOTS
 from semif_serve.scoring.rows import parse_row
 
@@ -29,10 +29,6 @@ WARM_UP_ROW = {
     "options": [{"id": "yes", "description": "Yes"}, {"id": "no", "description": "No"}],
 }
 FAST_KERNEL_PACKAGES = ("flash-linear-attention", "causal-conv1d")
-
-
-class StartupError(RuntimeError):
-    """The service must not start; the message says why and what to change."""
 
 
 def resolve_device(device: str, torch_module: Any) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from semif_serve.scoring.head import check_supported
 from semif_serve.scoring.prompt import ChatTokenizer
 
 
@@ -54,6 +53,8 @@ class ScoringModel:
     info: ModelInfo
 
     def __post_init__(self) -> None:
+        from semif_serve.scoring.head import check_supported  # torch: only with a real model
+
         check_supported(self.model)  # at load, not at the first batched or cached call
 
     @property

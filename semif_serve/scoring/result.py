@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from semif_serve.scoring.prompt import LETTERS, PROMPT_VERSION, EncodedPrompt
 from semif_serve.scoring.rows import Row
+
+if TYPE_CHECKING:
+    import torch
 
 PROBABILITY_STATUS = "conditional option score; uncalibrated as decision confidence"
 # SemIf's fixed description of how each scorer reads its logits (the `readout` field).
@@ -19,6 +20,8 @@ READOUTS = {
 
 def letter_probabilities(letter_logits: torch.Tensor) -> torch.Tensor:
     """Softmax over the option letters' float32 logits only, computed in float64."""
+    import torch  # here, not at the top: the result's constants are read where torch is not
+
     # float64 as upstream: a float32 softmax misses SemIf's check |sum(p) - 1| < 1e-9 for most
     # logit vectors; float32 → float64 is exact, so only the arithmetic gains precision.
     return torch.softmax(letter_logits.float().double(), dim=-1)
