@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import serve_steered
 from fakes import TOKEN
 
 START_TIMEOUT_S = 90
@@ -132,9 +133,8 @@ def fake_server(
 ) -> LiveServer:
     control = tmp_path / "control"
     control.mkdir(exist_ok=True)
-    script = Path(__file__).parent / "serve_fake.py"
     extra = {"SEMIF_TEST_CONTROL": str(control), "SEMIF_TEST_GATED": "1" if gated else "0", **env}
-    return LiveServer([sys.executable, str(script)], extra, tmp_path / "server.log", ready_status)
+    return LiveServer(serve_steered.command("fake"), extra, tmp_path / "server.log", ready_status)
 
 
 def read_response(sock: socket.socket) -> tuple[int, dict]:

@@ -1,5 +1,5 @@
 """What tests/test_sdk_systemone.py and tests/test_sdk_decisions.py share: gated fake servers
-(tests/serve_fake.py) steered through their control folder, a request held inside the scorer,
+(tests/serve_steered.py fake) steered through their control folder, a request held inside the scorer,
 raw bodies in a Content-Encoding, the access log, and the worker's peak memory. Every wait is
 bounded by fakes.WAIT_S."""
 

@@ -1,5 +1,5 @@
 """semif_serve.client: round trips, the error envelope and retries against the real server
-(tests/serve_fake.py under gunicorn), an httpx MockTransport where a real server cannot give
+(tests/serve_steered.py fake under gunicorn), an httpx MockTransport where a real server cannot give
 a status on demand, and a raw socket server that is slow on purpose. Time is a fake clock
 wherever the client would wait: no test sleeps."""
 

@@ -2,10 +2,9 @@
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import serve_steered
 from fakes import AUTH, row
 from live_server import LiveServer, real_env, semif_serve_command
 from openapi_check import validate_reply
@@ -146,7 +145,7 @@ def test_two_real_models_behind_one_server(tmp_path, builtin_cache, smollm2):
 def test_the_default_device_with_a_vram_cap_starts(tmp_path, builtin_cache, smollm2):
     """SEMIF_DEVICE unset (cuda) plus SEMIF_VRAM_CAP_GIB: the H200 defect stopped this boot,
     since torch refuses the memory fraction for an index-less "cuda". Through the production
-    CLI and boot path, torch.cuda faked (tests/serve_fake_cuda.py), the model on the CPU."""
+    CLI and boot path, torch.cuda faked (tests/serve_steered.py cuda), the model on the CPU."""
     control = tmp_path / "control"
     control.mkdir()
     env = {
@@ -156,8 +155,7 @@ def test_the_default_device_with_a_vram_cap_starts(tmp_path, builtin_cache, smol
         "SEMIF_TEST_CONTROL": str(control),
     }
     env.pop("SEMIF_DEVICE", None)
-    script = Path(__file__).parent / "serve_fake_cuda.py"
-    server = LiveServer([sys.executable, str(script)], env, tmp_path / "server.log")
+    server = LiveServer(serve_steered.command("cuda"), env, tmp_path / "server.log")
     server.env.pop("SEMIF_DEVICE", None)  # the default, whatever the test runner's env says
     with server:
         status, health, _ = server.request("GET", "/health")

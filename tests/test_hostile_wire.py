@@ -189,7 +189,7 @@ def test_sigterm_with_undelivered_replies_cuts_them_off_and_exits_non_zero(tmp_p
                 pytest.fail(f"still running {grace_s + margin_s} s after SIGTERM")
         finally:
             close_all(clients)
-        assert status == EXIT_CUT_OFF  # `run` (serve_fake.py), as `semif-serve serve`
+        assert status == EXIT_CUT_OFF  # `run` (serve_steered.py fake), as `semif-serve serve`
         cut = [
             line
             for line in server.log_text().splitlines()

@@ -1,6 +1,6 @@
 """Issue 30: management changes survive a worker that dies. The state file's pure pieces
 (semif_serve/runtime/management_state.py), then real gunicorn servers over fake engines
-(tests/serve_fake_managed.py) whose worker is killed with SIGKILL and respawned by the master.
+(tests/serve_steered.py managed) whose worker is killed with SIGKILL and respawned by the master.
 
 Before issue 30 the respawned worker answered /health 2.8 s later with every PUT undone
 (keep_alive_s back to null, a model added by PUT a 404), and said nothing about why.
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import serve_steered
 from fakes import TOKEN, row
 from live_server import LiveServer
 
@@ -333,7 +334,6 @@ def test_the_master_sees_how_its_child_ended_without_reaping_it():
 def managed_server(tmp_path: Path, **env: str) -> LiveServer:
     control = tmp_path / "control"
     control.mkdir(exist_ok=True)
-    script = Path(__file__).parent / "serve_fake_managed.py"
     extra = {
         "SEMIF_TEST_CONTROL": str(control),
         "SEMIF_ADMIN_TOKEN": ADMIN,
@@ -341,7 +341,7 @@ def managed_server(tmp_path: Path, **env: str) -> LiveServer:
         **env,
     }
     log = tmp_path / f"server-{len(list(tmp_path.glob('server-*.log')))}.log"
-    return LiveServer([sys.executable, str(script)], extra, log)
+    return LiveServer(serve_steered.command("managed"), extra, log)
 
 
 def worker_pids(server: LiveServer) -> list[int]:

@@ -1,6 +1,6 @@
 """schemathesis over docs/openapi.yaml against a live server with the fake scorer (issue 13).
 
-The server: tests/serve_fake.py under gunicorn on 127.0.0.1, with a calibration table (so
+The server: tests/serve_steered.py fake under gunicorn on 127.0.0.1, with a calibration table (so
 `workload` has names to draw), an admin token, the parallel runtime (so `slots` in a model
 table is valid, as the document describes) and two model aliases (so `/v1/systemone` and
 `/v1/decisions` draw their `model` from ids and aliases). The document's `x-semif-deployment`

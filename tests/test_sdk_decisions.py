@@ -1,5 +1,5 @@
 """The official OpenAI SDK (openai 3.51.0, unmodified) against POST /v1/decisions and GET
-/v1/models of a real gunicorn over the fake scorer (tests/serve_fake.py): every question type, in
+/v1/models of a real gunicorn over the fake scorer (tests/serve_steered.py fake): every question type, in
 order with its name, choice values typed (the string "true" and the boolean true kept apart),
 usage and the model that answered, every error status as the SDK's typed exception, retries after
 the server's retry-after, and the body's codings (raw gzip and zstd, an unknown coding, a zstd

@@ -1,5 +1,5 @@
 """The official TypeSafe SDK (typesafe-sdk 0.7.5, unmodified) against POST /v1/systemone and
-GET /v1/models of a real gunicorn over the fake scorer (tests/serve_fake.py): every question type
+GET /v1/models of a real gunicorn over the fake scorer (tests/serve_steered.py fake): every question type
 as the SDK's objects and as raw dicts, usage and the model that answered, every error status as
 the SDK's typed exception, retries after the server's retry-after, and the body's codings (the
 SDK's own zstd, raw gzip and zstd, an unknown coding, a zstd bomb).

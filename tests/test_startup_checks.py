@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import serve_steered
 from fakes import AUTH, TOKEN, FakeScorer, row, settings
 from falcon import testing
-from serve_poisoned import poisoned
+from tiny_models import poisoned
 
 from semif_serve.engine.boot import (
     StartupError,
@@ -115,9 +114,8 @@ def test_a_server_whose_model_fails_the_warm_up_does_not_start():
         "SEMIF_DEVICE": "cpu",
         "SEMIF_MODEL": FOLDER,
     }
-    script = Path(__file__).parent / "serve_poisoned.py"
     done = subprocess.run(
-        [sys.executable, str(script)],
+        serve_steered.command("poisoned"),
         env=env,
         capture_output=True,
         text=True,

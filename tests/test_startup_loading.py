@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+import serve_steered
 from fakes import AUTH, WAIT_S, row
 from live_server import STOP_TIMEOUT_S, fake_server, stop
 
@@ -164,9 +163,8 @@ def test_a_start_that_fails_is_one_line_and_gunicorn_stops_with_its_boot_error(t
         "SEMIF_TEST_CONTROL": str(control),
         "SEMIF_TEST_START": "fails",
     }
-    script = Path(__file__).parent / "serve_fake.py"
     process = subprocess.Popen(
-        [sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True
+        serve_steered.command("fake"), env=env, stderr=subprocess.PIPE, text=True
     )
     try:
         _, log = process.communicate(timeout=3 * WAIT_S)

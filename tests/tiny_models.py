@@ -7,6 +7,8 @@
 - `tiny_causal_lm(name)`: a random model of any class the scorers accept, for the byte tokenizer;
   `tiny_llama()`, `tiny_cohere()`, `tiny_granite()`, `tiny_gemma2()` name four (the last three
   post-process their logits: scale, divide, soft-cap); `tiny_falcon_h1()`: one they refuse.
+- `poisoned(source)`: the tiny Llama as loaded from a folder whose weights a disk error or a bad
+  copy overwrote with 4 KB of 0xFF (its warm-up scores are not finite).
 """
 
 from __future__ import annotations
@@ -236,3 +238,25 @@ def tiny_falcon_h1(seed: int = 0):
     )
     torch.manual_seed(seed)
     return FalconH1ForCausalLM(config).eval()
+
+
+POISON = b"\xff" * 4096  # float32 0xFFFFFFFF is a NaN
+
+
+def poisoned(source: str, token_ids: list[int] | None = None):
+    """The tiny Llama with POISON over the start of its input embeddings (every prompt meets
+    them: the first rows are the bytes of ASCII punctuation), or over the rows of `token_ids`
+    only (a prompt without those tokens scores as before), as a ScoringModel."""
+    from semif_serve.scoring import ModelInfo, ScoringModel
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    weight = model.get_input_embeddings().weight
+    with torch.no_grad():
+        if token_ids is None:
+            weight.view(-1).view(torch.uint8)[: len(POISON)] = torch.frombuffer(
+                bytearray(POISON), dtype=torch.uint8
+            )
+        else:
+            weight[token_ids] = float("nan")
+    info = ModelInfo(source=source, revision="poisoned", dtype="float32", device="cpu")
+    return ScoringModel(model=model, tokenizer=tokenizer, info=info)
