@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 from tiny_models import qwen35_tokenizer, tiny_qwen35
@@ -76,9 +77,23 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
+# The real Qwen3.5 tokenizer, built once in mutmut's fork server (below): every mutant's run is
+# forked from it and inherits it instead of building it again.
+PREBUILT: dict[str, object] = {}
+
+
+def pytest_collection_finish(session):
+    """In mutmut's fork server (its warm-up is a --collect-only run in mutants/), build the real
+    Qwen3.5 tokenizer once (3-7 s: its 150k-token vocabulary converted from tiktoken's format;
+    pure Python and Rust, no torch thread is started in the process the runs fork from). Models
+    are still built in each run: torch's threads are not fork-safe."""
+    if session.config.option.collectonly and Path.cwd().name == "mutants":
+        PREBUILT["qwen_tokenizer"] = qwen35_tokenizer()
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
-    return qwen35_tokenizer()
+    return PREBUILT.get("qwen_tokenizer") or qwen35_tokenizer()
 
 
 @pytest.fixture(scope="session")

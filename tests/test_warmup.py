@@ -215,8 +215,22 @@ def test_build_engine_warms_every_shape_when_buckets_are_on(monkeypatch, qwen_to
         (200, 2, 512),  # several rows: a packed row of up to PACKED_CHUNK_TOKENS
         (200, 3, 512),
         (514, 2, 513),  # a suffix longer than a packed chunk: one row of it
+        (33, 1, 32),  # one row of 32 tokens at most: the 32 bucket, not the 64 one
     ],
 )
 def test_a_packed_plans_suffixes_reach_the_longest_packed_row(max_tokens, max_rows, longest):
     shapes = plan(TABLE, max_tokens=max_tokens, max_rows=max_rows, packed=True)
     assert shapes.suffixes == [(1, length) for length in TABLE.lengths(longest)]
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "prefixes"),
+    [
+        (2, [1]),  # a prompt keeps a token after its prefix: 1 token of prefix at most
+        (3, [1, 2]),
+        (33, [1, 2, 4, 8, 16, 32]),
+    ],
+)
+def test_a_plans_prefixes_reach_the_longest_prefix_a_prompt_can_have(max_tokens, prefixes):
+    for packed in (False, True):
+        assert plan(TABLE, max_tokens=max_tokens, max_rows=2, packed=packed).prefixes == prefixes
