@@ -166,11 +166,12 @@ class _Arbiter(Arbiter):
         super().reap_workers()
 
 
-def bound_address(name: Any) -> str:
-    """HOST:PORT of a listening socket's name, the port the kernel chose for SEMIF_BIND's `:0`
-    included; IPv6 hosts in brackets."""
-    if isinstance(name, str):  # a unix socket (systemd's)
-        return name
+def bound_address(name: Any) -> str | None:
+    """HOST:PORT of an IP listening socket's name, the port the kernel chose for SEMIF_BIND's
+    `:0` included; IPv6 hosts in brackets. None for any other socket (a unix socket systemd
+    passed, named by a path or, abstract, by bytes): the ready line then shows SEMIF_BIND."""
+    if not isinstance(name, tuple):
+        return None
     host, port = name[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

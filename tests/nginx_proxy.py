@@ -50,8 +50,9 @@ def nginx_binary() -> str:
         pytest.skip("nginx is not installed; installing it needs root or sudo")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for command in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "nginx-light"],
+        # Two test workers may install at once: the second waits for dpkg's lock.
+        ["apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-qq"],
+        ["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y", "-qq", "nginx-light"],
     ):
         done = subprocess.run(
             sudo + command, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S

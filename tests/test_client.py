@@ -18,7 +18,7 @@ from email.utils import formatdate
 import httpx
 import pytest
 from fakes import TOKEN, WAIT_S, decision, row
-from live_server import fake_server, free_port, wait_for_file
+from live_server import fake_server, wait_for_file
 
 from semif_serve.client import (
     ApiError,
@@ -236,9 +236,11 @@ def test_a_422_carries_the_envelope_and_request_id_and_is_never_retried(server, 
 @pytest.mark.parametrize("mode", MODES)
 def test_no_server_listening_is_retried_until_the_deadline_then_connection_failed(mode):
     fake = FakeTime()
-    url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(ConnectionFailed, match="cannot reach the server"):
-        run(mode, lambda c: c.health(), url=url, **timing(fake, mode))
+    with socket.socket() as held:  # bound, never listening: no other server can take the port
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(ConnectionFailed, match="cannot reach the server"):
+            run(mode, lambda c: c.health(), url=url, **timing(fake, mode))
     # The backoff up to its 10 s cap; a wait from 25.75 s would end past the 30 s deadline.
     assert fake.sleeps == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
 

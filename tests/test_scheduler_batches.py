@@ -806,7 +806,14 @@ def test_a_batch_that_is_not_full_keeps_waiting_while_only_batched_requests_queu
     scorer = BatchScorer()
     rt = batching_runtime(scorer, max_batch_rows=3, batch_wait_ms=60_000)  # past any bound here
     # The leader waits again once it has seen `first` queued: two of three rows, not full.
-    waits = watch_waits(rt.entry("a"), when=lambda: queued_jobs(rt, "a") == 1)
+    # (`first` waits on the same condition, for its turn: only the leader's waits count.)
+    lone = None
+    waits = watch_waits(
+        rt.entry("a"),
+        when=lambda: lone is not None
+        and threading.current_thread() is lone.thread
+        and queued_jobs(rt, "a") == 1,
+    )
     lone = Submitted(rt, "lone")
     wait_until(lambda: rt.entry("a")._active == 1)
     first = Submitted(rt, "first")

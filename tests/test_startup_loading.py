@@ -126,7 +126,8 @@ def test_the_ready_address_is_the_one_listened_on_with_the_kernels_port_for_port
 
     assert bound_address(("127.0.0.1", 40123)) == "127.0.0.1:40123"
     assert bound_address(("::1", 40123, 0, 0)) == "[::1]:40123"
-    assert bound_address("/run/semif.sock") == "/run/semif.sock"
+    assert bound_address("/run/semif.sock") is None  # unix sockets: SEMIF_BIND is shown
+    assert bound_address(b"\x00semif") is None
 
 
 # --- through gunicorn ------------------------------------------------------------------------
