@@ -216,6 +216,7 @@ def test_build_engine_warms_every_shape_when_buckets_are_on(monkeypatch, qwen_to
         (200, 3, 512),
         (514, 2, 513),  # a suffix longer than a packed chunk: one row of it
         (33, 1, 32),  # one row of 32 tokens at most: the 32 bucket, not the 64 one
+        (34, 1, 33),  # ... and of 33 tokens: the 64 bucket too
     ],
 )
 def test_a_packed_plans_suffixes_reach_the_longest_packed_row(max_tokens, max_rows, longest):
@@ -234,3 +235,19 @@ def test_a_packed_plans_suffixes_reach_the_longest_packed_row(max_tokens, max_ro
 def test_a_plans_prefixes_reach_the_longest_prefix_a_prompt_can_have(max_tokens, prefixes):
     for packed in (False, True):
         assert plan(TABLE, max_tokens=max_tokens, max_rows=2, packed=packed).prefixes == prefixes
+
+
+@pytest.mark.parametrize(("max_tokens", "lengths"), [(33, [32]), (34, [32, 64])])
+def test_an_unpacked_plans_suffixes_reach_the_longest_suffix_a_prompt_can_have(max_tokens, lengths):
+    """A shared prompt keeps at least one prefix token: its suffix has max_tokens - 1 at most."""
+    shapes = plan(TABLE, max_tokens=max_tokens, max_rows=1, packed=False)
+    assert shapes.suffixes == [(1, length) for length in lengths]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_batch_of_two_rows_over_one_state_plans_the_suffixes_of_a_two_row_call(packed):
+    """With SEMIF_MAX_BATCH_ROWS=2, two one-row requests over one state run as one shared call
+    of two rows: the plan covers it as it covers a request of two rows."""
+    batched = plan(TABLE, max_tokens=100, max_rows=1, packed=packed, max_batch_rows=2)
+    assert batched.suffixes == plan(TABLE, max_tokens=100, max_rows=2, packed=packed).suffixes
+    assert batched.suffixes != plan(TABLE, max_tokens=100, max_rows=1, packed=packed).suffixes
