@@ -52,6 +52,7 @@ MAX_BODY_BYTES_LIMIT = 1 << 30
 MAX_QUEUE_LIMIT = 4096  # each admitted request holds a worker thread
 MAX_LOADED_MODELS_LIMIT = 1024
 MAX_CONNECTIONS_LIMIT = 1 << 16
+MAX_OPTIONS_LIMIT = 255  # per question: what System One and OpenAI Decisions allow
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,15 @@ class Settings:
     batch_wait_ms: int = 0  # how long a batch waits for more requests; 0: never
     # SEMIF_MODEL_ALIASES: names the ecosystem routes accept for a registered model (jev-latest)
     model_aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # SEMIF_HOSTED_MODEL_NAMES: the hosted services' model names (jev-latest, jev-*,
+    # typesafe/jev-*, gpt-6-luna) name the default model on the ecosystem routes; 0: strict names
+    hosted_model_names: bool = True
+    # SEMIF_MAX_OPTIONS: choices or levels per question on the ecosystem routes (above 16 they
+    # are scored as option groups, semif_serve/apis/grouped.py)
+    max_options: int = 255
+    # SEMIF_LEGACY_EXTENSION_BLOCK: answers also carry their extension block under its old
+    # name `semif` (deprecated; removed in the next release)
+    legacy_extension_block: bool = False
     # SEMIF_STATE_DIR: where management changes are kept for the next worker (None: a private
     # folder for this server's run only; semif_serve/runtime/management_state.py)
     state_dir: Path | None = None
@@ -153,6 +163,9 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         ),
         batch_wait_ms=parse_wait_ms(env, "SEMIF_BATCH_WAIT_MS"),
         model_aliases=parse_aliases(env.get("SEMIF_MODEL_ALIASES")),
+        hosted_model_names=parse_flag(env, "SEMIF_HOSTED_MODEL_NAMES", default=True),
+        max_options=parse_max_options(env),
+        legacy_extension_block=parse_flag(env, "SEMIF_LEGACY_EXTENSION_BLOCK", default=False),
         state_dir=Path(env["SEMIF_STATE_DIR"]) if env.get("SEMIF_STATE_DIR") else None,
     )
 
@@ -353,6 +366,15 @@ def check_alias_targets(aliases: Mapping[str, str], model_ids: list[str]) -> Non
             raise ConfigError(
                 f"{name}: {alias!r} names {model!r}, which is not a registered model ({known})"
             )
+
+
+def parse_max_options(env: Mapping[str, str]) -> int:
+    """2..255 (the formats' own limit): at most 16 groups of at most 16 options."""
+    name = "SEMIF_MAX_OPTIONS"
+    limit = parse_limit(env, name, MAX_OPTIONS_LIMIT, MAX_OPTIONS_LIMIT)
+    if limit < 2:
+        raise ConfigError(f"{name}: must be 2..{MAX_OPTIONS_LIMIT}, got {limit}")
+    return limit
 
 
 def parse_bind(text: str) -> str:

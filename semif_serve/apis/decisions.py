@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from semif_serve.apis.mapping import (
+    EXTENSION,
     Mapped,
     Scored,
     check_keys,
@@ -29,6 +30,7 @@ from semif_serve.apis.mapping import (
     confidence,
     content_text,
     expected_score,
+    ignored_keys,
     instructions_text,
     readout,
     refuse_image,
@@ -90,11 +92,12 @@ class Request:
     routing: dict[str, Any]
     session: str | None = None  # prompt_cache_key: the partition its state prefixes are kept in
     breakpoints: tuple[int, ...] = ()  # where marked input parts end in state_json(state)
+    ignored: tuple[str, ...] = ()  # top-level fields the format does not name
 
 
-def parse(body: dict[str, Any]) -> Request:
-    """The request as questions over one state; InvalidRequest naming the field otherwise."""
-    check_keys(body, REQUEST_KEYS, "body")
+def parse(body: dict[str, Any], max_options: int) -> Request:
+    """The request as questions over one state, each of at most `max_options` choices or
+    levels; InvalidRequest naming the field otherwise."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model: must be a model name string")
@@ -108,10 +111,11 @@ def parse(body: dict[str, Any]) -> Request:
     if not isinstance(questions, list):
         raise InvalidRequest("questions: must be an array of questions")
     check_question_count(len(questions))
-    parsed = [_question(index, question) for index, question in enumerate(questions)]
+    parsed = [_question(index, question, max_options) for index, question in enumerate(questions)]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
     state, breakpoints = marked_ends(rendered_input(body["input"]))
-    return Request(model, state, parsed, routing, session, breakpoints)
+    ignored = ignored_keys(body, REQUEST_KEYS)
+    return Request(model, state, parsed, routing, session, breakpoints, ignored)
 
 
 def _cache_options(options: Any) -> None:
@@ -128,8 +132,8 @@ def rendered_input(value: Any) -> Any:
     """The state the prompt shows for `input`: a string as it is, items as a JSON array."""
     if isinstance(value, str):
         return value
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("input: must be a string or a nonempty array of items")
+    if not isinstance(value, list):
+        raise InvalidRequest("input: must be a string or an array of items")
     calls: dict[str, str] = {}  # call_id -> its call's item type
     return [_item(item, f"input[{index}]", calls) for index, item in enumerate(value)]
 
@@ -253,7 +257,7 @@ def _string(item: dict[str, Any], key: str, where: str, nonempty: bool = True) -
     return value
 
 
-def _question(index: int, question: Any) -> Question:
+def _question(index: int, question: Any, max_options: int) -> Question:
     where = f"questions[{index}]"
     if not isinstance(question, dict):
         raise InvalidRequest(f"{where}: must be an object with a type")
@@ -274,10 +278,10 @@ def _question(index: int, question: Any) -> Question:
         fields = ("instructions", "instructions")
         return Question(name, kind, (), yes_no(where, text, fields=fields))
     if kind == "choice":
-        values, descriptions = _choices(question.get("choices"), f"{where}.choices")
+        values, descriptions = _choices(question.get("choices"), f"{where}.choices", max_options)
         fields = tuple(f"choices[{k}]" for k in range(len(values)))
         return Question(name, kind, values, Mapped(where, text, descriptions, fields))
-    labels, descriptions = _levels(question.get("levels"), f"{where}.levels")
+    labels, descriptions = _levels(question.get("levels"), f"{where}.levels", max_options)
     fields = tuple(f"levels[{k}]" for k in range(len(labels)))
     return Question(name, kind, labels, Mapped(where, text, descriptions, fields))
 
@@ -293,10 +297,10 @@ def _instructions(value: Any, where: str) -> str:
     return instructions_text("\n".join(content_text(part, where) for part in parts), where)
 
 
-def _choices(choices: Any, where: str) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+def _choices(choices: Any, where: str, limit: int) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     if not isinstance(choices, list):
         raise InvalidRequest(f"{where}: must be an array of {{value, description}}")
-    check_option_count(len(choices), where, "choices")
+    check_option_count(len(choices), where, "choices", limit)
     values, descriptions, seen = [], [], {}
     for index, choice in enumerate(choices):
         at = f"{where}[{index}]"
@@ -324,10 +328,10 @@ def _value_text(value: str | bool) -> str:
     return value
 
 
-def _levels(levels: Any, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _levels(levels: Any, where: str, limit: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if not isinstance(levels, list):
         raise InvalidRequest(f"{where}: must be an array of {{label, description}}, lowest first")
-    check_option_count(len(levels), where, "levels")
+    check_option_count(len(levels), where, "levels", limit)
     labels, descriptions = [], []
     for index, level in enumerate(levels):
         at = f"{where}[{index}]"
@@ -342,7 +346,7 @@ def _levels(levels: Any, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def reply(request: Request, scored: Scored, model: str) -> dict[str, Any]:
-    """The Decision: answers in question order, `model` the model that answered, and usage with
+    """The Decision: answers in question order, `model` the name the caller asked for, usage with
     the state-prefix cache's share (`cached_tokens` read from it, `cache_write_tokens` stored)."""
     answers = [
         _answer(question, result)
@@ -384,5 +388,5 @@ def _answer(question: Question, result: dict[str, Any]) -> dict[str, Any]:
             {"label": label, "value": level, "probability": p}
             for level, (label, p) in enumerate(zip(question.values, probabilities, strict=True))
         ]
-    answer["semif"] = readout(result, with_confidence=question.kind != "predicate")
+    answer[EXTENSION] = readout(result, with_confidence=question.kind != "predicate")
     return answer

@@ -5,9 +5,12 @@ The rules are upstream SemIf's for its own System One layer (../shared/spec/deci
 each question is one row over the request's state; its instructions are the criterion (a string
 as it is, an object or array as JSON in insertion order with non-ASCII kept); empty or missing
 instructions are refused; a yes/no question gets the options `true`, `false` with fixed default
-descriptions; more than 16 options (the letters A..P) is `option_count_unsupported`, never
-truncated. Row and option ids are positional (`q3`, `o1`): the model never sees them, and a name
-the format allows (empty, or a boolean choice value) needs no id rules of its own.
+descriptions. Unlike upstream, a question may have up to SEMIF_MAX_OPTIONS options (255, the
+formats' own limit): more than the 16 letters A..P are scored as option groups (`grouped`); more
+than the limit is `option_count_unsupported`, never truncated. Row and option ids are positional
+(`q3`, `o1`): the model never sees them, and a name the format allows (empty, or a boolean
+choice value) needs no id rules of its own. Top-level fields a format does not name are ignored
+(as the hosted services ignore them) and reported back (`ignored_keys`).
 """
 
 from __future__ import annotations
@@ -15,16 +18,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from semif_serve.apis import grouped
 from semif_serve.errors import InvalidRequest, OptionCountUnsupported
-from semif_serve.scoring.rows import MAX_OPTIONS, MIN_OPTIONS
+from semif_serve.scoring.rows import MIN_OPTIONS
 
 YES = "The answer to the question is yes."
 NO = "The answer to the question is no."
 CONFIDENCE_FORMULA = "normalized-peak-v1"
-FORMAT_OPTION_LIMIT = 255  # what both formats allow per question
+FORMAT_OPTION_LIMIT = 255  # what both formats allow per question (SEMIF_MAX_OPTIONS' default)
+EXTENSION = "x_semif"  # the per-answer extension block: vendor fields are prefixed x_
+LEGACY_EXTENSION = "semif"  # its name until 0.x; SEMIF_LEGACY_EXTENSION_BLOCK=1 adds it
+METHOD = grouped.SHARED_NORMALISER  # how a question of more than 16 options is read back
 MAX_QUESTIONS = 400  # per request, both formats (OpenAI Decisions' own limit)
 TEMPERATURE = 1.0  # the native softmax: uncalibrated
 # How the service names a decision in its messages: `decisions[3]`, `decisions[3] (row 'q3')`,
@@ -71,13 +78,12 @@ def instructions_text(content: Any, where: str) -> str:
     return text
 
 
-def check_option_count(count: int, where: str, noun: str) -> None:
-    """2..16 options; more is `option_count_unsupported`, naming the limit."""
-    if count > MAX_OPTIONS:
+def check_option_count(count: int, where: str, noun: str, limit: int) -> None:
+    """2..`limit` (SEMIF_MAX_OPTIONS) options; more is `option_count_unsupported`."""
+    if count > limit:
         raise OptionCountUnsupported(
-            f"{where}: {count} {noun}, over the {MAX_OPTIONS} this server scores (one option "
-            f"letter A..P each; the format allows {FORMAT_OPTION_LIMIT}). Nothing is truncated: "
-            "split the question"
+            f"{where}: {count} {noun}, over the {limit} this server scores (SEMIF_MAX_OPTIONS; "
+            f"the format allows {FORMAT_OPTION_LIMIT}). Nothing is truncated: split the question"
         )
     if count < MIN_OPTIONS:
         raise InvalidRequest(f"{where}: needs at least {MIN_OPTIONS} {noun}, got {count}")
@@ -122,6 +128,7 @@ class Scored:
     input_tokens: int  # the state once, plus every question's own tokens
     cached_tokens: int  # of those, the state prefix served from the state-prefix cache
     written_tokens: int  # the state prefix this request stored in the cache
+    prefix_tokens: int = 0  # the state prefix's own tokens (counted once in input_tokens)
 
 
 def scored(replies: Iterable[dict[str, Any]]) -> Scored:
@@ -137,6 +144,7 @@ def scored(replies: Iterable[dict[str, Any]]) -> Scored:
         input_tokens=prefix + suffixes,
         cached_tokens=first.get("cached_tokens", 0),
         written_tokens=prefix if first.get("prefix_stored") else 0,
+        prefix_tokens=prefix,
     )
 
 
@@ -147,9 +155,33 @@ def answered(
     per_call: int,
     decide_shared: Callable[[dict[str, Any]], dict[str, Any]],
     state_field: str = "state",
+    method: str = METHOD,
 ) -> Scored:
     """Score `questions` over `state` through `decide_shared` (the service's, one call per
-    `shared_bodies` body); a refusal names the question's own fields (`located`)."""
+    `shared_bodies` body): a question of more than 16 options as its option groups, read back
+    by `method` (`grouped`); a refusal names the question's own fields (`located`)."""
+    layout = grouped.plan(questions)
+    first = _rows_scored(state, layout.rows, routing, per_call, decide_shared, state_field)
+    later: list[Scored] = []
+
+    def finals(rows: list[Mapped]) -> list[dict[str, Any]]:
+        later.append(_rows_scored(state, rows, routing, per_call, decide_shared, state_field))
+        return later[-1].results
+
+    results = grouped.read_back(questions, layout, first.results, method, finals)
+    # A later call's state prefix was counted by the first (and served from it when cached).
+    suffixes = sum(scored.input_tokens - scored.prefix_tokens for scored in later)
+    return replace(first, results=results, input_tokens=first.input_tokens + suffixes)
+
+
+def _rows_scored(
+    state: Any,
+    questions: list[Mapped],
+    routing: dict[str, Any],
+    per_call: int,
+    decide_shared: Callable[[dict[str, Any]], dict[str, Any]],
+    state_field: str,
+) -> Scored:
     replies = []
     for start, body in zip(
         range(0, len(questions), per_call),
@@ -180,8 +212,10 @@ def top(probabilities: list[float]) -> int:
 
 
 def readout(result: dict[str, Any], *, with_confidence: bool) -> dict[str, Any]:
-    """The per-answer extension block (`semif`, which the SDKs ignore): how the answer was read."""
+    """The per-answer extension block (`x_semif`, which the SDKs ignore): how the answer was
+    read, by which method, and by which model."""
     block = {
+        "method": result.get("method", grouped.DIRECT),
         "option_logits": result["option_logits"],
         "probabilities": result["probabilities"],
         "prompt_sha256": result["prompt_sha256"],
@@ -193,6 +227,8 @@ def readout(result: dict[str, Any], *, with_confidence: bool) -> dict[str, Any]:
         "prefix_sha256": result.get("prefix_sha256"),
         "model": result["model"],
     }
+    if "group_prompt_sha256" in result:
+        block["group_prompt_sha256"] = result["group_prompt_sha256"]
     if with_confidence:
         block["confidence_formula"] = CONFIDENCE_FORMULA
     return block
@@ -221,6 +257,12 @@ def located(error: InvalidRequest, questions: list[Mapped], state_field: str) ->
 def type_name(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number" if isinstance(value, (int, float)) else "value")
+
+
+def ignored_keys(body: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    """The top-level fields a format does not name, in the order sent: ignored, never refused
+    (the SDKs pass extra fields through, e.g. `extra_body={"seed": 7}`)."""
+    return tuple(key for key in body if key not in known)
 
 
 def check_keys(value: Any, allowed: frozenset[str], where: str) -> dict[str, Any]:

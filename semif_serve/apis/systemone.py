@@ -4,10 +4,11 @@ A request `{model, state, questions: {name: question}}` is one state and its nam
 mapped as upstream SemIf maps them (`mapping`): `noul` → options `true`, `false` (a side
 without a description gets the fixed default); `choice` → its criteria in the order sent (a null
 or empty description is the name itself); `score` → its levels, ids "0".."n-1". `box` questions
-and image assets need a vision model: a 422 naming them. The reply keys each answer by its
-question's name, with `usage` (the state counted once, `output_tokens` 0) and a `semif` block per
-answer that the SDK ignores. Every float is written as a JSON float (`1.0`, never `1`): the SDK
-validates strictly.
+and image assets need a vision model: a 422 naming them. A `noul` with no instructions but a
+described side asks `NOUL_WITHOUT_INSTRUCTIONS` over its two sides. The reply keys each answer by
+its question's name, with `usage` (the state counted once, `output_tokens` 0) and an `x_semif`
+block per answer that the SDK ignores. Every float is written as a JSON float (`1.0`, never
+`1`): the SDK validates strictly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from semif_serve.apis.mapping import (
+    EXTENSION,
     NO,
     YES,
     Mapped,
@@ -27,6 +29,7 @@ from semif_serve.apis.mapping import (
     content_text,
     described,
     expected_score,
+    ignored_keys,
     instructions_text,
     readout,
     refuse_image,
@@ -43,6 +46,9 @@ QUESTION_KEYS = {
     "score": frozenset({"type", "instructions", "criteria"}),
 }
 NOUL_SIDES = frozenset({"true", "false"})
+# What the model is asked for a noul that describes a side but gives no instructions: which of
+# the two descriptions holds (the hosted service accepts such a noul).
+NOUL_WITHOUT_INSTRUCTIONS = "Which of the two options is true?"
 
 
 @dataclass(frozen=True)
@@ -61,11 +67,12 @@ class Request:
     routing: dict[str, Any]  # passed to the service as it is (`timeout_s`)
     session: str | None = None  # System One names none: X-Semif-Session only
     breakpoints: tuple[int, ...] = ()  # nor marks any prefix
+    ignored: tuple[str, ...] = ()  # top-level fields the format does not name
 
 
-def parse(body: dict[str, Any]) -> Request:
-    """The request as questions over one state; InvalidRequest naming the field otherwise."""
-    check_keys(body, REQUEST_KEYS, "body")
+def parse(body: dict[str, Any], max_options: int) -> Request:
+    """The request as questions over one state, each of at most `max_options` options;
+    InvalidRequest naming the field otherwise."""
     if body.get("assets") is not None:
         raise refuse_image("assets")
     if "state" not in body:
@@ -77,12 +84,13 @@ def parse(body: dict[str, Any]) -> Request:
     if not isinstance(questions, dict):
         raise InvalidRequest("questions: must be an object {name: question}")
     check_question_count(len(questions))
-    parsed = [_question(name, question) for name, question in questions.items()]
+    parsed = [_question(name, question, max_options) for name, question in questions.items()]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
-    return Request(model, body["state"], parsed, routing)
+    ignored = ignored_keys(body, REQUEST_KEYS)
+    return Request(model, body["state"], parsed, routing, ignored=ignored)
 
 
-def _question(name: str, question: Any) -> Question:
+def _question(name: str, question: Any, max_options: int) -> Question:
     where = f"questions.{name}"
     if not isinstance(question, dict):
         raise InvalidRequest(f"{where}: must be an object with a type")
@@ -98,14 +106,14 @@ def _question(name: str, question: Any) -> Question:
         shown = "missing" if kind is None else f"unknown question type {kind!r}"
         raise InvalidRequest(f"{where}.type: {shown}; this server answers noul, choice and score")
     check_keys(question, QUESTION_KEYS[kind], where)
-    text = instructions_text(question.get("instructions"), f"{where}.instructions")
     criteria = question.get("criteria")
     if kind == "noul":
-        return Question(name, kind, (), _noul(where, text, criteria))
+        return Question(name, kind, (), _noul(where, question.get("instructions"), criteria))
+    text = instructions_text(question.get("instructions"), f"{where}.instructions")
     if kind == "choice":
         if not isinstance(criteria, dict):
             raise InvalidRequest(f"{where}.criteria: must be an object {{name: description}}")
-        check_option_count(len(criteria), f"{where}.criteria", "choices")
+        check_option_count(len(criteria), f"{where}.criteria", "choices", max_options)
         labels = tuple(criteria)
         descriptions = tuple(
             described(text, label, f"{where}.criteria.{label}") for label, text in criteria.items()
@@ -114,7 +122,7 @@ def _question(name: str, question: Any) -> Question:
         return Question(name, kind, labels, Mapped(where, text, descriptions, fields))
     if not isinstance(criteria, list):
         raise InvalidRequest(f"{where}.criteria: must be an array of levels, from score 0 up")
-    check_option_count(len(criteria), f"{where}.criteria", "levels")
+    check_option_count(len(criteria), f"{where}.criteria", "levels", max_options)
     legend = tuple(
         content_text(level, f"{where}.criteria[{index}]") for index, level in enumerate(criteria)
     )
@@ -122,11 +130,20 @@ def _question(name: str, question: Any) -> Question:
     return Question(name, kind, legend, Mapped(where, text, legend, fields))
 
 
-def _noul(where: str, text: str, criteria: Any) -> Mapped:
-    if criteria is None:
-        return yes_no(where, text)
-    check_keys(criteria, NOUL_SIDES, f"{where}.criteria")
-    yes, no = (criteria.get(side) for side in ("true", "false"))
+def _noul(where: str, instructions: Any, criteria: Any) -> Mapped:
+    """Options `true`, `false`; without instructions, a described side is the question."""
+    if criteria is not None:
+        check_keys(criteria, NOUL_SIDES, f"{where}.criteria")
+    sides = {} if criteria is None else criteria
+    yes, no = (sides.get(side) for side in ("true", "false"))
+    if _blank(instructions) and _blank(yes) and _blank(no):
+        raise InvalidRequest(
+            f"{where}.instructions: missing; a noul needs instructions or a described side"
+        )
+    if _blank(instructions):
+        text = NOUL_WITHOUT_INSTRUCTIONS
+    else:
+        text = instructions_text(instructions, f"{where}.instructions")
     return yes_no(
         where,
         text,
@@ -135,8 +152,12 @@ def _noul(where: str, text: str, criteria: Any) -> Mapped:
     )
 
 
+def _blank(content: Any) -> bool:
+    return content is None or (isinstance(content, str) and not content.strip())
+
+
 def reply(request: Request, scored: Scored, model: str) -> dict[str, Any]:
-    """The System One reply: answers by question name, `model` the model that answered."""
+    """The System One reply: answers by question name, `model` the name the caller asked for."""
     answers = {
         question.name: _answer(question, result)
         for question, result in zip(request.questions, scored.results, strict=True)
@@ -168,5 +189,5 @@ def _answer(question: Question, result: dict[str, Any]) -> dict[str, Any]:
             "legend": dict(zip(levels, question.labels, strict=True)),
             "probabilities": dict(zip(levels, probabilities, strict=True)),
         }
-    answer["semif"] = readout(result, with_confidence=question.kind != "noul")
+    answer[EXTENSION] = readout(result, with_confidence=question.kind != "noul")
     return answer

@@ -2,28 +2,39 @@
 same `DecisionService` calls as `/decide/shared` (one shared call per SEMIF_MAX_DECISIONS
 questions, all over the request's one state).
 
-The request's `model` names a registered model, or an alias the operator configured
-(SEMIF_MODEL_ALIASES); a registered id always names itself. The reply names the model that
-answered, never the alias. A System One request with image assets (multipart/form-data) is a
-422: this server runs text models.
+The request's `model` names a registered model, an alias the operator configured
+(SEMIF_MODEL_ALIASES), or a hosted service's name (`apis.names`: the default model, unless
+SEMIF_HOSTED_MODEL_NAMES=0); a registered id always names itself. The reply's `model` echoes the
+name asked for, as the hosted services echo their aliases; the model that answered is in the
+`x-semif-model` header (`id; revision="..."`), in each answer's `x_semif.model` and in the access
+log. Top-level fields the format does not name are ignored and listed in `x-semif-ignored-fields`.
+The state may be empty (`""`, `{}`, `[]`). A System One request with image assets
+(multipart/form-data) is a 422: this server runs text models.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 import falcon
 
-from semif_serve.apis import decisions, systemone
-from semif_serve.apis.mapping import answered, refuse_image
+from semif_serve.apis import decisions, names, systemone
+from semif_serve.apis.mapping import EXTENSION, LEGACY_EXTENSION, answered, refuse_image
 from semif_serve.errors import ModelNotFound
 from semif_serve.http.body import read_body, read_json_object
 from semif_serve.http.encoding import coding
 from semif_serve.http.environ import CLIENT_GONE_KEY
 from semif_serve.http.resources import accepted_state_key, send_json, session_of
 from semif_serve.runtime.service import DecisionService
+
+MODEL_HEADER = "x-semif-model"
+IGNORED_HEADER = "x-semif-ignored-fields"
+IGNORED_SHOWN = 16  # names the header lists at most (a body may hold thousands)
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_.$@-]{1,64}")
 
 
 class _Format:
@@ -36,19 +47,28 @@ class _Format:
         self._limit = settings.max_body_bytes
         self._per_call = settings.max_decisions
         self._aliases: Mapping[str, str] = settings.model_aliases
+        self._hosted_names = settings.hosted_model_names
+        self._max_options = settings.max_options
+        self._legacy_block = settings.legacy_extension_block
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         self._refuse_attachments(req)
         header_session = session_of(req)
-        request = self.translator.parse(read_json_object(req.env, self._limit, unique_keys=True))
+        body = read_json_object(req.env, self._limit, unique_keys=True)
+        request = self.translator.parse(body, self._max_options)
+        if request.ignored:
+            resp.set_header(IGNORED_HEADER, ignored_header(request.ignored))
         session = request.session or header_session  # the body's prompt_cache_key wins
-        req.context.state_key = accepted_state_key({"state": request.state})
+        req.context.state_key = accepted_state_key({"state": request.state}, empty_state=True)
         model = self._model(request.model)
+        req.context.model = model
         gone = req.env.get(CLIENT_GONE_KEY)
 
         def decide_shared(body: dict[str, Any]) -> dict[str, Any]:
             body = {**body, "model": model}
-            return self._service.decide_shared(body, gone, session, request.breakpoints).body
+            return self._service.decide_shared(
+                body, gone, session, request.breakpoints, empty_state=True
+            ).body
 
         scored = answered(
             request.state,
@@ -59,7 +79,13 @@ class _Format:
             self.state_field,
         )
         req.context.rows = len(request.questions)
-        send_json(resp, self.translator.reply(request, scored, model))
+        revision = scored.results[0]["model"].get("revision")
+        req.context.revision = revision
+        resp.set_header(MODEL_HEADER, model_header(model, revision))
+        reply = self.translator.reply(request, scored, request.model or model)
+        if self._legacy_block:
+            with_legacy_blocks(reply["answers"])
+        send_json(resp, reply)
 
     def _refuse_attachments(self, req: falcon.Request) -> None:
         pass
@@ -72,12 +98,42 @@ class _Format:
         for model in (name, self._aliases.get(name)):
             if model is not None and _registered(runtime, model):
                 return model
+        if self._hosted_names and names.is_hosted_name(name):
+            return runtime.default_id
         registered = ", ".join(status["id"] for status in runtime.status())
         aliases = ", ".join(sorted(self._aliases)) or "none configured (SEMIF_MODEL_ALIASES)"
+        hosted = names.SHOWN if self._hosted_names else "off (SEMIF_HOSTED_MODEL_NAMES=0)"
         raise ModelNotFound(
             f"model {name!r} is neither a registered model ({registered}) nor an alias of one "
-            f"(aliases: {aliases})"
+            f"(aliases: {aliases}; hosted names: {hosted})"
         )
+
+
+def model_header(model: str, revision: str | None) -> str:
+    """`id; revision="..."`: the model that answered (a revision's `"` and `\\` escaped, any
+    character outside visible ASCII as `?`, so the value is always a legal header)."""
+    if revision is None:
+        return model
+    shown = "".join(char if " " <= char <= "~" else "?" for char in revision)
+    quoted = shown.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{model}; revision="{quoted}"'
+
+
+def ignored_header(keys: tuple[str, ...]) -> str:
+    """The ignored top-level fields, comma-separated: a plain name as it is, any other as its
+    JSON string (ASCII); at most IGNORED_SHOWN, then how many more."""
+    shown = [
+        key if PLAIN_NAME.fullmatch(key) else json.dumps(key[:64]) for key in keys[:IGNORED_SHOWN]
+    ]
+    if len(keys) > IGNORED_SHOWN:
+        shown.append(f"... ({len(keys) - IGNORED_SHOWN} more)")
+    return ", ".join(shown)
+
+
+def with_legacy_blocks(answers: Any) -> None:
+    """Each answer's extension block also under its old name (SEMIF_LEGACY_EXTENSION_BLOCK)."""
+    for answer in answers.values() if isinstance(answers, dict) else answers:
+        answer[LEGACY_EXTENSION] = answer[EXTENSION]
 
 
 def _registered(runtime: Any, model: str) -> bool:

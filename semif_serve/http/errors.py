@@ -1,10 +1,17 @@
-"""The one place where exceptions become HTTP statuses and the `{error: {code, message}}` body."""
+"""The one place where exceptions become HTTP statuses and the `{error: {code, message}}` body.
+
+On the ecosystem's routes the body also carries what their SDKs and the conformance suite
+(jevcompat) read: OpenAI's `type` and `param` inside `error`, and the hosted System One service's
+`detail` beside it: for a 422 a list of `{loc: ["body", ...field path], msg, type}`, for any
+other status `{error_type, message}`.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
+from typing import Any
 
 import falcon
 
@@ -97,13 +104,35 @@ ERROR_TYPES = {
     429: "rate_limit_error",
 }
 FIELD_PREFIX = re.compile(r"([^:\s][^:]*): ")
+PATH_STEP = re.compile(r"\[(\d+)\]|([^.\[\]]+)")
 
 
-def envelope(code: str, message: str, extra: dict[str, str | None] | None = None) -> str:
+def envelope(
+    code: str, message: str, extra: dict[str, str | None] | None = None, detail: Any = None
+) -> str:
     """The error body, always encodable as UTF-8: a message character that is not (a lone
     surrogate quoted from a request) is written as its escape, the six characters `\\ud800`."""
     error = {"code": code, "message": encodable(message), **(extra or {})}
-    return json.dumps({"error": error}, ensure_ascii=False)
+    body: dict[str, Any] = {"error": error}
+    if detail is not None:
+        body["detail"] = detail
+    return json.dumps(body, ensure_ascii=False)
+
+
+def hosted_detail(status: int, code: str, message: str, fields: dict[str, str | None]) -> Any:
+    """System One's `detail`: a 422's field path (`questions.tone.criteria[2]` → `["body",
+    "questions", "tone", "criteria", 2]`; a name holding `.` or `[` splits there too) and message;
+    any other error's type and message."""
+    message = encodable(message)
+    if status != 422:
+        return {"error_type": fields["type"], "message": message}
+    param = fields["param"]
+    path: list[str | int] = ["body"]
+    if param is not None:
+        for index, name in PATH_STEP.findall(param):
+            path.append(int(index) if index else name)
+        message = message[len(param) + 2 :]
+    return [{"loc": path, "msg": message, "type": code}]
 
 
 def openai_fields(status: int, message: str, error: Exception) -> dict[str, str | None]:
@@ -141,8 +170,11 @@ def handle_error(req: falcon.Request, resp: falcon.Response, error: Exception, p
         message = f"{req.method} is not allowed on {req.path}"
     resp.status = status
     resp.content_type = falcon.MEDIA_JSON
-    extra = openai_fields(status, message, error) if req.path in ECOSYSTEM_ROUTES else None
-    resp.data = envelope(code, message, extra).encode()
+    extra = detail = None
+    if req.path in ECOSYSTEM_ROUTES:
+        extra = openai_fields(status, message, error)
+        detail = hosted_detail(status, code, message, extra)
+    resp.data = envelope(code, message, extra, detail).encode()
     for name, value in headers.items():
         resp.set_header(name, value)
     req.context.error_code = code

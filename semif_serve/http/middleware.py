@@ -103,6 +103,9 @@ class RequestLog:
         record = access_record(req, resp.status_code)
         if req.context.get("error_code"):
             record["error"] = req.context.error_code
+        if req.context.get("model"):  # the model that answered (the ecosystem routes)
+            record["model"] = req.context.model
+            record["revision"] = req.context.get("revision")
         access_log.info(json.dumps(record))
         if self._metrics is not None:
             # Never a raw path as a label: an attacker could create unbounded label values.

@@ -119,12 +119,13 @@ class _Scoring:
         return body
 
 
-def accepted_state_key(body: dict) -> str | None:
-    """The key of the body's `state`; None when it has none the service accepts (missing, blank,
-    not finite, nested too deeply: the service's 422 then says why). A key the caller sent in
-    X-Semif-State-Key is never read: routers hash on it, the reply always carries the true one."""
+def accepted_state_key(body: dict, empty_state: bool = False) -> str | None:
+    """The key of the body's `state`; None when it has none the service accepts (missing, blank
+    unless `empty_state`, not finite, nested too deeply: the service's 422 then says why). A key
+    the caller sent in X-Semif-State-Key is never read: routers hash on it, the reply always
+    carries the true one."""
     try:
-        return state_key(parse_state(body["state"]))
+        return state_key(parse_state(body["state"], empty_state))
     except (KeyError, InvalidRow):
         return None
 

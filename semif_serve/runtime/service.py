@@ -128,9 +128,11 @@ class DecisionService:
         client_gone: ClientCheck | None = None,
         session: str | None = None,
         breakpoints: tuple[int, ...] = (),
+        empty_state: bool = False,
     ) -> Outcome:
         """/decide/shared (and the ecosystem routes' calls); `session` as for `decide`;
-        `breakpoints`: where the caller marked reusable ends of the state (`Row.breakpoints`)."""
+        `breakpoints`: where the caller marked reusable ends of the state (`Row.breakpoints`);
+        `empty_state`: an empty state is allowed (the ecosystem formats allow one)."""
         _check_keys(body, SHARED_KEYS, "body")
         workload = self._workload(body)
         if "state" not in body:
@@ -148,7 +150,7 @@ class DecisionService:
                 raise InvalidRequest(f"decisions[{index}]: must be an object")
             _check_keys(entry, DECISION_KEYS, where)
             entry = {**entry, "state": body["state"]}
-            decisions.append(_decision(entry, where, session, breakpoints))
+            decisions.append(_decision(entry, where, session, breakpoints, empty_state))
         _check_workload_without_orderings(workload, decisions)
         self._check_row_count(decisions)
         _check_unique_ids(decisions)
@@ -235,7 +237,11 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str], where: str) -> No
 
 
 def _decision(
-    body: dict[str, Any], where: str, session: str | None = None, breakpoints: tuple = ()
+    body: dict[str, Any],
+    where: str,
+    session: str | None = None,
+    breakpoints: tuple = (),
+    empty_state: bool = False,
 ) -> _Decision:
     """Validate one decision and expand it into its rows (one, or one per ordering), each in
     the caller's `session` with its state's `breakpoints`."""
@@ -246,7 +252,9 @@ def _decision(
         )
     fields = {key: body[key] for key in ROW_KEYS if key in body}
     try:
-        row = replace(parse_row(fields), cache_key=session, breakpoints=breakpoints)
+        row = replace(
+            parse_row(fields, empty_state=empty_state), cache_key=session, breakpoints=breakpoints
+        )
     except InvalidRow as error:
         message = str(error)
         # The shared state is one field of the request, not of each decision.

@@ -32,6 +32,7 @@ def __getattr__(name: str):
         return getattr(import_module(_WITH_TORCH[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "LETTERS",
     "PROMPT_VERSION",

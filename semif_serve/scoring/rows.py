@@ -64,13 +64,14 @@ def as_row(row: Row | dict) -> Row:
     return row if isinstance(row, Row) else parse_row(row)
 
 
-def parse_row(obj: Any) -> Row:
-    """Check `obj` against the SemIf row shape and return it as a `Row`."""
+def parse_row(obj: Any, *, empty_state: bool = False) -> Row:
+    """Check `obj` against the SemIf row shape and return it as a `Row`; `empty_state`: a
+    blank string, `{}` or `[]` state is allowed (the ecosystem formats allow one)."""
     if not isinstance(obj, dict):
         raise InvalidRow(f"row: must be a JSON object, got {_type_name(obj)}")
     row_id = _nonempty_string(obj, "id", "id")
     question = _nonempty_string(obj, "question", "question")
-    state = _state(obj)
+    state = _state(obj, empty_state)
     options = _options(obj.get("options"))
     return Row(id=row_id, state=state, question=question, options=options)
 
@@ -86,20 +87,21 @@ def _nonempty_string(obj: dict, key: str, field: str) -> str:
     return value
 
 
-def _state(obj: dict) -> Any:
+def _state(obj: dict, empty_state: bool) -> Any:
     if "state" not in obj:
         raise InvalidRow("state: missing")
-    return parse_state(obj["state"])
+    return parse_state(obj["state"], empty_state)
 
 
-def parse_state(state: Any) -> Any:
+def parse_state(state: Any, empty_state: bool = False) -> Any:
     """Check a decision's `state` (a nonempty string, object or array of finite JSON values,
-    nested at most MAX_STATE_DEPTH levels) and return it; InvalidRow naming the field if not."""
+    nested at most MAX_STATE_DEPTH levels; with `empty_state` it may be empty) and return it;
+    InvalidRow naming the field if not."""
     if isinstance(state, str):
-        if not state.strip():
+        if not state.strip() and not empty_state:
             raise InvalidRow("state: must be a nonempty string, object or array")
     elif isinstance(state, (dict, list)):
-        if not state:
+        if not state and not empty_state:
             raise InvalidRow("state: must be a nonempty string, object or array")
         _require_finite_json(state, "state")
     else:
