@@ -5,6 +5,8 @@ GET /v1/models as both SDKs read it (`management.model_listing`: OpenAI's `data`
 
 from __future__ import annotations
 
+import json
+
 import time
 from types import MappingProxyType
 
@@ -115,14 +117,62 @@ def post(path, body, **overrides):
     return testing.TestClient(app).simulate_post(path, json=body, headers=AUTH), scorer
 
 
+def answered_by(response):
+    """The model id the x-semif-model header names (before its `; revision=...`)."""
+    return response.headers["x-semif-model"].split(";")[0]
+
+
 @pytest.mark.parametrize(("path", "body"), ROUTES)
-@pytest.mark.parametrize("name", [None, "default", "jev-latest"])
-def test_the_reply_names_the_model_that_answered_never_the_alias(path, body, name):
+@pytest.mark.parametrize("name", [None, "default", "jev-latest", "old"])
+def test_the_reply_echoes_the_name_asked_for_and_the_header_names_the_model(path, body, name):
     sent = body if name is None else {**body, "model": name}
-    response, scorer = post(path, sent, model_aliases={"jev-latest": "default"})
+    response, scorer = post(path, sent, model_aliases={"old": "default"})
     assert response.status_code == 200, response.text
-    assert response.json["model"] == "default"
+    assert response.json["model"] == (name or "default")
+    assert response.headers["x-semif-model"] == 'default; revision="' + "0" * 40 + '"'
     assert len(scorer.calls) == 1
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+@pytest.mark.parametrize(
+    "name",
+    ["jev-latest", "jev-1.13.0", "typesafe/jev-1.13", "gpt-6-luna", "gpt-6-luna-2026-10-06"],
+)
+def test_hosted_names_name_the_default_model_unless_turned_off(path, body, name):
+    response, scorer = post(path, {**body, "model": name})
+    assert (response.status_code, response.json["model"]) == (200, name), response.text
+    assert answered_by(response) == "default"
+    response, scorer = post(path, {**body, "model": name}, hosted_model_names=False)
+    assert response.status_code == 404
+    assert response.json["error"]["message"].endswith(
+        "(aliases: none configured (SEMIF_MODEL_ALIASES); hosted names: off "
+        "(SEMIF_HOSTED_MODEL_NAMES=0))"
+    )
+    assert scorer.calls == []
+
+
+@pytest.mark.parametrize(
+    "name", ["jev-", "typesafe/jev-", "jev", "Jev-Latest", "gpt-6", "gpt-6-luna-", "jev-a b"]
+)
+def test_a_name_outside_the_hosted_families_is_not_hosted(name):
+    response, scorer = post("/v1/systemone", {**NOUL, "model": name})
+    assert response.status_code == 404
+    assert scorer.calls == []
+
+
+def test_a_registered_id_and_an_alias_win_over_a_hosted_name():
+    client = two_models(model_aliases={"jev-1": "b"})
+    for name, model in (("jev-1", "b"), ("jev-2", "a"), ("b", "b")):
+        response = client.simulate_post("/v1/systemone", json={**NOUL, "model": name}, headers=AUTH)
+        assert (response.json["model"], answered_by(response)) == (name, model)
+
+
+def test_the_access_log_names_the_model_that_answered(caplog):
+    with caplog.at_level("INFO", logger="semif_serve.access"):
+        response, _ = post("/v1/systemone", {**NOUL, "model": "jev-latest"})
+    assert response.status_code == 200
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "semif_serve.access"]
+    assert (line["model"], line["revision"]) == ("default", "0" * 40)
 
 
 @pytest.mark.parametrize(
@@ -169,21 +219,25 @@ def test_alias_targets_are_checked_against_every_startup_model():
     ("aliases", "name", "listed"),
     [
         ({"jev-latest": "default", "b": "default"}, "gpt-x", "b, jev-latest"),
-        ({}, "jev-latest", "none configured (SEMIF_MODEL_ALIASES)"),
-        ({"jev-latest": "default"}, "Jev-Latest", "jev-latest"),  # names are case-sensitive
+        ({}, "gpt-5", "none configured (SEMIF_MODEL_ALIASES)"),
+        ({"old": "default"}, "Old", "old"),  # names are case-sensitive
     ],
 )
 def test_an_unknown_name_is_404_listing_the_models_and_aliases(path, body, aliases, name, listed):
     response, scorer = post(path, {**body, "model": name}, model_aliases=aliases)
     assert response.status_code == 404
+    message = (
+        f"model {name!r} is neither a registered model (default) nor an alias of one (aliases: "
+        f"{listed}; hosted names: jev-latest, jev-*, typesafe/jev-*, gpt-6-luna, gpt-6-luna-*)"
+    )
     assert response.json == {
         "error": {
             "code": "model_not_found",
-            "message": f"model {name!r} is neither a registered model (default) nor an alias "
-            f"of one (aliases: {listed})",
+            "message": message,
             "type": "not_found_error",
             "param": None,
-        }
+        },
+        "detail": {"error_type": "not_found_error", "message": message},
     }
     assert scorer.calls == []
 
@@ -208,11 +262,12 @@ def test_with_two_models_each_name_and_alias_reaches_its_own(path, body):
     for name, answered in ((None, "a"), ("a", "a"), ("b", "b"), ("jev-latest", "b"), ("old", "a")):
         sent = body if name is None else {**body, "model": name}
         response = client.simulate_post(path, json=sent, headers=AUTH)
-        assert (response.status_code, response.json["model"]) == (200, answered), response.text
+        assert (response.status_code, answered_by(response)) == (200, answered), response.text
     response = client.simulate_post(path, json={**body, "model": "c"}, headers=AUTH)
     assert response.status_code == 404
     assert response.json["error"]["message"] == (
-        "model 'c' is neither a registered model (a, b) nor an alias of one (aliases: jev-latest, old)"
+        "model 'c' is neither a registered model (a, b) nor an alias of one (aliases: jev-latest, "
+        "old; hosted names: jev-latest, jev-*, typesafe/jev-*, gpt-6-luna, gpt-6-luna-*)"
     )
 
 

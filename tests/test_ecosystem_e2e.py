@@ -52,7 +52,7 @@ QUESTIONS = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, builtin_cache):
     folder = tmp_path_factory.mktemp("ecosystem")
-    env = real_env(builtin_cache, SEMIF_MODEL_ALIASES="jev-latest=default,gpt-6-luna=default")
+    env = real_env(builtin_cache)  # no alias: the hosted names are known out of the box
     with LiveServer(semif_serve_command(), env, folder / "server.log") as live:
         yield live
 
@@ -80,11 +80,12 @@ def shared_rows(server, state):
 def test_system_one_answers_are_the_mapped_rows(server):
     with TypeSafeClient(api_key=TOKEN, base_url=f"http://127.0.0.1:{server.port}") as client:
         reply = client.system_one(state=STATE, questions=QUESTIONS)  # model: jev-latest
-    assert reply.model == "default"
+    assert reply.model == "jev-latest"
+    assert reply.raw_http_response.headers["x-semif-model"].startswith("default; revision=")
     shared, direct = shared_rows(server, STATE)
     raw = json.loads(reply.raw_http_response.content)["answers"]
     for name in QUESTIONS:
-        block = raw[name]["semif"]
+        block = raw[name]["x_semif"]
         assert (
             block["prompt_sha256"] == shared[name]["prompt_sha256"] == direct[name]["prompt_sha256"]
         )
@@ -123,10 +124,10 @@ def test_decisions_answers_are_the_mapped_rows_and_count_the_cache(server):
     ]
     first = client.decisions.create(model="gpt-6-luna", input=LONG_STATE, questions=questions)
     again = client.decisions.create(model="default", input=LONG_STATE, questions=questions)
-    assert first.model == again.model == "default"
+    assert (first.model, again.model) == ("gpt-6-luna", "default")
     shared, _ = shared_rows(server, LONG_STATE)
     for answer in first.answers:
-        block = answer.semif
+        block = answer.x_semif
         assert block["prompt_sha256"] == shared[answer.name]["prompt_sha256"]
         assert block["probabilities"] == pytest.approx(
             shared[answer.name]["probabilities"], abs=1e-6

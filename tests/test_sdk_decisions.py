@@ -164,7 +164,7 @@ def test_every_question_type_is_answered_in_order_with_the_uniform_fakes_values(
     ]
     assert [p.probability for p in urgency.probabilities] == [pytest.approx(1 / 3)] * 3
     assert decision.usage.model_dump() == USAGE
-    assert decision.model == "default"
+    assert decision.model == "gpt-6-luna"  # the name sent, echoed
 
 
 def test_typed_values_are_typed_on_the_wire_and_every_float_is_a_json_float(server):
@@ -180,7 +180,7 @@ def test_typed_values_are_typed_on_the_wire_and_every_float_is_a_json_float(serv
     floats = [answers[0]["probability"], answers[1]["confidence"], answers[3]["score"]]
     floats += [p["probability"] for answer in answers[1:4] for p in answer["probabilities"]]
     assert all(type(value) is float for value in floats), floats  # 0.0, never 0
-    assert answers[3]["semif"]["confidence_formula"] == "normalized-peak-v1"
+    assert answers[3]["x_semif"]["confidence_formula"] == "normalized-peak-v1"
 
 
 @pytest.mark.parametrize("questions", [1, 3, 9, 70])  # 70: two shared calls (64 each at most)
@@ -198,11 +198,12 @@ def test_usage_counts_the_state_once_and_each_questions_own_tokens(server, quest
     assert (details.cached_tokens, details.cache_write_tokens) == (0, 0)
 
 
-@pytest.mark.parametrize("model", ["gpt-6-luna", "jev-latest", "default"])
-def test_the_reply_names_the_registered_model_whatever_name_was_sent(server, model):
+@pytest.mark.parametrize("model", ["gpt-6-luna", "jev-latest", "default", "gpt-6-luna-2026"])
+def test_the_reply_echoes_the_name_sent_and_the_header_names_the_model(server, model):
     decision, raw = decide(server, ONE, model=model)
     assert json.loads(raw.http_request.content)["model"] == model
-    assert decision.model == "default"
+    assert decision.model == model
+    assert raw.headers["x-semif-model"].split(";")[0] == "default"
 
 
 def test_the_prompt_cache_and_safety_options_are_accepted(server):
@@ -296,7 +297,7 @@ def choice(choices):
     [
         (
             TICKET,
-            choice([{"value": f"c{n}"} for n in range(17)]),
+            choice([{"value": f"c{n}"} for n in range(256)]),
             "option_count_unsupported",
             "questions[1].choices",
         ),
@@ -307,7 +308,7 @@ def choice(choices):
                 {
                     "type": "score",
                     "instructions": "How?",
-                    "levels": [{"label": f"{n}"} for n in range(17)],
+                    "levels": [{"label": f"{n}"} for n in range(256)],
                 },
             ],
             "option_count_unsupported",
@@ -346,8 +347,8 @@ def choice(choices):
         ),
     ],
     ids=[
-        "17-choices",
-        "17-levels",
+        "256-choices",
+        "256-levels",
         "one-choice",
         "same-value-twice",
         "input-image",
@@ -363,7 +364,7 @@ def test_a_request_the_server_cannot_score_is_the_sdks_unprocessable_entity_erro
         decide(server, questions, input=input)
     envelope = check_error(caught.value, 422, code, "invalid_request_error", param)
     if code == "option_count_unsupported":
-        assert "over the 16 this server scores" in envelope["message"]
+        assert "over the 255 this server scores" in envelope["message"]
 
 
 def test_a_string_and_a_boolean_of_the_same_text_are_two_choices_not_a_repeat(server):
@@ -421,7 +422,7 @@ def test_a_refused_call_is_retried_after_the_servers_retry_after_and_answered(
         wait_for_status(server, ROUTE, refusal, seen)  # the first attempt was refused
         holder.release()
         decision, _ = call.outcome()
-    assert decision.answers[0].probability == 0.5 and decision.model == "default"
+    assert decision.answers[0].probability == 0.5 and decision.model == "gpt-6-luna"
     statuses = access_statuses(server, ROUTE)[seen:]
     assert statuses[0] == refusal and statuses[-1] == 200, statuses
     assert set(statuses[:-1]) == {refusal}
@@ -462,7 +463,7 @@ def test_a_raw_gzip_or_zstd_body_is_answered_as_the_same_body_uncompressed(serve
     assert status == 200, plain
     status, reply, headers = post_raw(server[0], ROUTE, encoded(BODY, encoding), encoding)
     assert status == 200, reply
-    assert reply == plain and reply["model"] == "default"
+    assert reply == plain and reply["model"] == "gpt-6-luna"
     assert headers["x-typesafe-request-id"] == headers["x-request-id"]
 
 

@@ -146,7 +146,7 @@ def test_every_question_type_is_answered_by_name_with_the_uniform_fakes_values(s
     assert urgency.legend == {0: "Can wait", 1: '{"when": "today"}', 2: "Now", 3: "Yesterday"}
     assert urgency.probabilities == {level: pytest.approx(0.25) for level in range(4)}
     assert reply.usage.model_dump() == USAGE
-    assert reply.model == "default"
+    assert reply.model == "jev-latest"  # the SDK's default name, echoed
 
 
 def test_the_objects_and_the_dicts_send_the_same_questions(server):
@@ -164,8 +164,8 @@ def test_every_float_is_a_json_float_and_the_extension_block_is_ignored(server):
     floats = [raw["billing"]["noul"], raw["tone"]["confidence"], raw["urgency"]["score"]]
     floats += [*raw["tone"]["probabilities"].values(), *raw["urgency"]["probabilities"].values()]
     assert all(type(value) is float for value in floats), floats  # 0.0, never 0
-    assert raw["tone"]["semif"]["confidence_formula"] == "normalized-peak-v1"
-    assert "semif" not in reply.answers["tone"].model_dump()
+    assert raw["tone"]["x_semif"]["confidence_formula"] == "normalized-peak-v1"
+    assert "x_semif" not in reply.answers["tone"].model_dump()
 
 
 @pytest.mark.parametrize("questions", [1, 3, 9, 70])  # 70: two shared calls (64 each at most)
@@ -176,12 +176,13 @@ def test_usage_counts_the_state_once_and_each_questions_own_tokens(server, quest
     assert reply.usage.input_tokens == 6 + 4 * questions and reply.usage.output_tokens == 0
 
 
-@pytest.mark.parametrize("model", [None, "jev-latest", "gpt-6-luna", "default"])
-def test_the_reply_names_the_registered_model_whatever_name_was_sent(server, model):
+@pytest.mark.parametrize("model", [None, "jev-latest", "gpt-6-luna", "default", "jev-1.13.0"])
+def test_the_reply_echoes_the_name_sent_and_the_header_names_the_model(server, model):
     reply = ask(server, model=model)  # None: the SDK's default, jev-latest
     sent = json.loads(reply.raw_http_response.request.content)["model"]
     assert sent == (model or "jev-latest")
-    assert reply.model == "default"
+    assert reply.model == sent
+    assert reply.raw_http_response.headers["x-semif-model"].split(";")[0] == "default"
 
 
 def test_the_sdk_exposes_the_request_id(server):
@@ -217,13 +218,13 @@ def test_a_wrong_key_is_the_sdks_authentication_error(server):
 
 def test_an_unknown_model_is_the_sdks_not_found_error(server):
     with pytest.raises(TypeSafeNotFoundError) as caught:
-        ask(server, model="jev-nonexistent")
+        ask(server, model="claude-nonexistent")
     envelope = check_envelope(caught.value, 404, "model_not_found", "not_found_error")
-    assert "'jev-nonexistent'" in envelope["message"]
+    assert "'claude-nonexistent'" in envelope["message"]
     assert "gpt-6-luna, jev-latest" in envelope["message"]  # the aliases it could have sent
 
 
-SEVENTEEN = {f"c{n}": None for n in range(17)}
+OVER_LIMIT = {f"c{n}": None for n in range(256)}
 
 
 def test_sixteen_options_the_letters_a_to_p_are_scored(server):
@@ -241,7 +242,7 @@ def test_sixteen_options_the_letters_a_to_p_are_scored(server):
     ("questions", "code", "param"),
     [
         (
-            {"many": Choice(instructions="Which?", criteria=SEVENTEEN)},
+            {"many": Choice(instructions="Which?", criteria=OVER_LIMIT)},
             "option_count_unsupported",
             "questions.many.criteria",
         ),
@@ -250,7 +251,7 @@ def test_sixteen_options_the_letters_a_to_p_are_scored(server):
                 "many": {
                     "type": "score",
                     "instructions": "How?",
-                    "criteria": [f"{n}" for n in range(17)],
+                    "criteria": [f"{n}" for n in range(256)],
                 }
             },
             "option_count_unsupported",
@@ -268,21 +269,14 @@ def test_sixteen_options_the_letters_a_to_p_are_scored(server):
             "invalid_request",
             "questions.blank.instructions",
         ),
-        # The SDK lets a described side stand in for instructions; upstream's mapping refuses it.
-        (
-            {"rain": Noul(criteria={"true": "It rains"})},
-            "invalid_request",
-            "questions.rain.instructions",
-        ),
     ],
     ids=[
-        "17-choices",
-        "17-levels",
+        "256-choices",
+        "256-levels",
         "one-choice",
         "box",
         "empty-instructions",
         "blank-instructions",
-        "no-instructions",
     ],
 )
 def test_a_question_the_server_cannot_score_is_the_sdks_unprocessable_entity_error(
@@ -292,7 +286,7 @@ def test_a_question_the_server_cannot_score_is_the_sdks_unprocessable_entity_err
         ask(server, {"fine": Noul(instructions="Is it fine?"), **questions})
     envelope = check_envelope(caught.value, 422, code, "invalid_request_error", param)
     if code == "option_count_unsupported":
-        assert "over the 16 this server scores" in envelope["message"]
+        assert "over the 255 this server scores" in envelope["message"]
 
 
 def tiny_png() -> bytes:
@@ -378,7 +372,7 @@ def test_a_refused_call_is_retried_after_the_servers_retry_after_and_answered(
         wait_for_status(server, ROUTE, refusal, seen)  # the first attempt was refused
         holder.release()
         reply = call.outcome()
-    assert reply.nouls["billing"].noul == 0.5 and reply.model == "default"
+    assert reply.nouls["billing"].noul == 0.5 and reply.model == "jev-latest"
     statuses = access_statuses(server, ROUTE)[seen:]
     assert statuses[0] == refusal and statuses[-1] == 200, statuses
     assert set(statuses[:-1]) == {refusal}
@@ -428,7 +422,7 @@ def test_a_raw_gzip_or_zstd_body_is_answered_as_the_same_body_uncompressed(serve
     assert status == 200, plain
     status, reply, headers = post_raw(server[0], ROUTE, encoded(BODY, encoding.lower()), encoding)
     assert status == 200, reply
-    assert reply == plain and reply["model"] == "default"
+    assert reply == plain and reply["model"] == "jev-latest"
     assert headers["x-typesafe-request-id"] == headers["x-request-id"]
 
 

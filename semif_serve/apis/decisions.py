@@ -22,6 +22,7 @@ from typing import Any
 
 from semif_serve.apis.mapping import (
     EXTENSION,
+    FORMAT_OPTION_LIMIT,
     Mapped,
     Scored,
     check_keys,
@@ -95,7 +96,7 @@ class Request:
     ignored: tuple[str, ...] = ()  # top-level fields the format does not name
 
 
-def parse(body: dict[str, Any], max_options: int) -> Request:
+def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Request:
     """The request as questions over one state, each of at most `max_options` choices or
     levels; InvalidRequest naming the field otherwise."""
     model = body.get("model")

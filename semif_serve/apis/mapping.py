@@ -78,7 +78,7 @@ def instructions_text(content: Any, where: str) -> str:
     return text
 
 
-def check_option_count(count: int, where: str, noun: str, limit: int) -> None:
+def check_option_count(count: int, where: str, noun: str, limit: int = FORMAT_OPTION_LIMIT) -> None:
     """2..`limit` (SEMIF_MAX_OPTIONS) options; more is `option_count_unsupported`."""
     if count > limit:
         raise OptionCountUnsupported(

@@ -18,6 +18,7 @@ from typing import Any
 
 from semif_serve.apis.mapping import (
     EXTENSION,
+    FORMAT_OPTION_LIMIT,
     NO,
     YES,
     Mapped,
@@ -70,7 +71,7 @@ class Request:
     ignored: tuple[str, ...] = ()  # top-level fields the format does not name
 
 
-def parse(body: dict[str, Any], max_options: int) -> Request:
+def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Request:
     """The request as questions over one state, each of at most `max_options` options;
     InvalidRequest naming the field otherwise."""
     if body.get("assets") is not None:
@@ -136,11 +137,7 @@ def _noul(where: str, instructions: Any, criteria: Any) -> Mapped:
         check_keys(criteria, NOUL_SIDES, f"{where}.criteria")
     sides = {} if criteria is None else criteria
     yes, no = (sides.get(side) for side in ("true", "false"))
-    if _blank(instructions) and _blank(yes) and _blank(no):
-        raise InvalidRequest(
-            f"{where}.instructions: missing; a noul needs instructions or a described side"
-        )
-    if _blank(instructions):
+    if _blank(instructions) and not (_blank(yes) and _blank(no)):
         text = NOUL_WITHOUT_INSTRUCTIONS
     else:
         text = instructions_text(instructions, f"{where}.instructions")

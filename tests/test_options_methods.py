@@ -1,0 +1,100 @@
+"""bench/options_methods.py (grouped-16 vs tournament-16, docs/quality.md) on the tiny random
+Qwen3.5: the variants it builds, and the report of a two-row run through the real scorer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from semif_serve.apis import grouped
+from semif_serve.quality.labelled import read_labelled
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "options_methods.py"
+SIZES = (17, 40)
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("options_methods", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def labelled(script):
+    return read_labelled([script.DATA])
+
+
+@pytest.mark.parametrize("size", [17, 40, 255])
+def test_a_variant_holds_the_rows_options_among_other_groups_distractors(script, labelled, size):
+    pool = script.distractor_pool(labelled)
+    row = labelled[4]
+    options = script.variant(row, pool, size)
+    ids = [option["id"] for option in options]
+    assert len(options) == size and len(set(ids)) == size
+    assert len({option["description"] for option in options}) == size
+    own = [option for option in options if option in row.row["options"]]
+    assert own == row.row["options"]  # all three, in their own order
+    groups = {
+        f"x-{other.id}-{o['id']}": other.group for other in labelled for o in other.row["options"]
+    }
+    assert all(groups[k] != row.group for k in ids if k not in row.option_ids)
+    assert script.variant(row, pool, size) == options  # seeded by id and size
+    assert script.variant(labelled[5], pool, size) != options
+
+
+def test_the_report_of_two_rows_on_the_tiny_qwen(script, labelled, tiny_qwen, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    argv = ["--model", "tiny-qwen", "--limit", "2", "--sizes", "17,40", "--json", str(out)]
+    report = script.main(argv, scoring_model=tiny_qwen)
+    assert json.loads(out.read_text())["runs"]["tiny-qwen"] == json.loads(json.dumps(report))
+    assert "| 40 | tournament-16 |" in capsys.readouterr().out
+
+    records = report["records"]
+    assert len(records) == 2 * (1 + len(SIZES) * len(grouped.METHODS))
+    assert {r["id"] for r in records} == {"ev-01a", "ev-01b"}
+    for record in records:
+        assert math.isclose(record["p_sum"], 1.0, abs_tol=1e-9), record
+        assert 0.0 <= record["p_gold"] <= record.get("p_real", 1.0) <= 1.0 + 1e-12
+        assert record["correct"] == (
+            record["top"] == labelled[0 if record["id"] == "ev-01a" else 1].gold
+        )
+    direct = {r["id"]: r["top"] for r in records if r["method"] == "direct"}
+    assert all(r["agrees"] == (r["top"] == direct[r["id"]]) for r in records)
+    assert report["direct"]["accuracy"] == sum(r["correct"] for r in records if r["size"] == 3) / 2
+
+    table = {(m["size"], m["method"]): m for m in report["methods"]}
+    assert set(table) == {(n, method) for n in SIZES for method in grouped.METHODS}
+    for (size, method), m in table.items():
+        ours = [r for r in records if r["size"] == size and r["method"] == method]
+        assert m["questions"] == 2
+        assert m["accuracy"] == sum(r["correct"] for r in ours) / 2
+        assert m["agreement"] == sum(r["agrees"] for r in ours) / 2
+        assert 0.0 <= m["gold_mass"] <= m["real_mass"] <= 1.0
+        groups = len(grouped.groups(size))  # 17: 9 + 8; 40: 14 + 13 + 13
+        assert m["rows"] == groups + (method == grouped.TOURNAMENT)
+    for size in SIZES:  # the final is a second call over the same state: more tokens
+        assert (
+            table[size, grouped.TOURNAMENT]["tokens"]
+            > table[size, grouped.SHARED_NORMALISER]["tokens"]
+        )
+    assert (
+        table[40, grouped.SHARED_NORMALISER]["tokens"]
+        > table[17, grouped.SHARED_NORMALISER]["tokens"]
+    )
+
+    for paired in report["paired"]:
+        counted = paired["both_right"] + paired["only_grouped"] + paired["only_tournament"]
+        assert counted <= 2 and paired["same_top"] <= 2
+        row = table[paired["size"], grouped.SHARED_NORMALISER]
+        assert row["accuracy"] * 2 == paired["both_right"] + paired["only_grouped"]
+
+
+def test_sizes_must_need_more_than_one_row(script, tiny_qwen):
+    with pytest.raises(SystemExit):
+        script.main(["--model", "tiny-qwen", "--sizes", "16"], scoring_model=tiny_qwen)
