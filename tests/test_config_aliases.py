@@ -377,9 +377,11 @@ def test_get_v1_models_lists_every_name_a_request_can_send():
     created = listing["data"][0]["created"]
     assert before <= created <= after
     assert listing["object"] == "list"
+    # The configured alias, then the exact hosted names no alias takes (SEMIF_HOSTED_MODEL_NAMES).
     assert [(m["id"], m.get("alias_of")) for m in listing["data"]] == [
         ("default", None),
         ("jev-latest", "default"),
+        ("gpt-6-luna", "default"),
     ]
     assert listing["data"][1]["created"] == created
     [model] = listing["models"]
@@ -387,7 +389,41 @@ def test_get_v1_models_lists_every_name_a_request_can_send():
         "default",
         "default",
         "ready",
-        ["jev-latest"],
+        ["gpt-6-luna", "jev-latest"],
     )
     assert model["description"] == f"{model['source']} at revision {model['revision']}"
     assert model["release_date"] == time.strftime("%Y-%m-%d", time.gmtime(created))
+
+
+def test_without_hosted_names_the_list_shows_only_models_and_aliases():
+    app, _ = fake_app(FakeScorer(), model_aliases={"old": "default"}, hosted_model_names=False)
+    listing = testing.TestClient(app).simulate_get("/v1/models", headers=AUTH).json
+    assert [(m["id"], m.get("alias_of")) for m in listing["data"]] == [
+        ("default", None),
+        ("old", "default"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "alias_of"),
+    [("default", None), ("old", "default"), ("gpt-6-luna", "default"), ("jev-1.13.0", "default")],
+)
+def test_get_v1_models_id_retrieves_any_name_a_request_can_send(name, alias_of):
+    app, _ = fake_app(FakeScorer(), model_aliases={"old": "default"})
+    client = testing.TestClient(app)
+    response = client.simulate_get(f"/v1/models/{name}", headers=AUTH)
+    assert response.status_code == 200, response.text
+    entry = response.json
+    assert (entry["id"], entry["object"], entry["owned_by"]) == (name, "model", "semif-serve")
+    assert entry.get("alias_of") == alias_of
+    listed = client.simulate_get("/v1/models", headers=AUTH).json["data"]
+    assert entry["created"] == listed[0]["created"]
+    assert client.simulate_get(f"/v1/models/{name}").status_code == 401
+
+
+def test_get_v1_models_id_of_an_unknown_name_is_404_model_not_found():
+    app, _ = fake_app(FakeScorer(), hosted_model_names=False)
+    response = testing.TestClient(app).simulate_get("/v1/models/gpt-6-luna", headers=AUTH)
+    assert response.status_code == 404
+    assert response.json["error"]["code"] == "model_not_found"
+    assert "hosted names: off (SEMIF_HOSTED_MODEL_NAMES=0)" in response.json["error"]["message"]

@@ -98,3 +98,37 @@ def test_the_report_of_two_rows_on_the_tiny_qwen(script, labelled, tiny_qwen, tm
 def test_sizes_must_need_more_than_one_row(script, tiny_qwen):
     with pytest.raises(SystemExit):
         script.main(["--model", "tiny-qwen", "--sizes", "16"], scoring_model=tiny_qwen)
+
+
+def test_the_summary_counts_what_each_record_says(script):
+    def record(row, size, method, top, correct, agrees, p_gold=0.25):
+        return {
+            "id": row,
+            "size": size,
+            "method": method,
+            "top": top,
+            "correct": correct,
+            "agrees": agrees,
+            "p_gold": p_gold,
+            "p_real": 0.5,
+            "rows": 2,
+            "tokens": 100,
+        }
+
+    g, t = grouped.SHARED_NORMALISER, grouped.TOURNAMENT
+    records = [
+        record("a", 3, "direct", "x", True, True, 0.7),
+        record("b", 3, "direct", "y", False, True, 0.1),
+        record("a", 17, g, "x", True, False),
+        record("b", 17, g, "z", False, False),
+        record("a", 17, t, "w", False, False),
+        record("b", 17, t, "y", False, True, 0.75),
+    ]
+    report = script.summarise(records, [17])
+    assert report["direct"] == {"questions": 2, "accuracy": 0.5, "gold_mass": 0.4, "tokens": 100}
+    table = {m["method"]: m for m in report["methods"]}
+    assert (table[g]["accuracy"], table[g]["agreement"]) == (0.5, 0.0)
+    assert (table[t]["accuracy"], table[t]["agreement"], table[t]["gold_mass"]) == (0.0, 0.5, 0.5)
+    assert report["paired"] == [
+        {"size": 17, "both_right": 0, "only_grouped": 1, "only_tournament": 0, "same_top": 0}
+    ]

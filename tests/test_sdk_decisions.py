@@ -447,6 +447,17 @@ def test_the_model_list_parses_and_names_every_model_and_alias(server):
     assert [getattr(model, "alias_of", None) for model in models] == [None, "default", "default"]
 
 
+@pytest.mark.parametrize(("name", "alias_of"), [("gpt-6-luna", "default"), ("default", None)])
+def test_models_retrieve_reads_one_name(server, name, alias_of):
+    with client(server[0]) as sdk:
+        model = sdk.models.retrieve(name)
+    assert (model.id, model.object, model.owned_by) == (name, "model", "semif-serve")
+    assert getattr(model, "alias_of", None) == alias_of
+    with client(server[0]) as sdk, pytest.raises(openai.NotFoundError) as caught:
+        sdk.models.retrieve("claude-9")
+    assert caught.value.body["code"] == "model_not_found"
+
+
 # -- the body's coding ------------------------------------------------------------------------
 
 BODY = {"model": "gpt-6-luna", "input": INPUTS["messages"], "questions": QUESTIONS}

@@ -10,6 +10,7 @@ registered ids and the configured aliases (SEMIF_MODEL_ALIASES), which always wi
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 
 HOSTED_NAMES = frozenset({"jev-latest", "gpt-6-luna"})
 # A hosted name's family: `jev-1.13.0`, `typesafe/jev-1.13`, `gpt-6-luna-2026-10-06`.
@@ -20,3 +21,33 @@ SHOWN = "jev-latest, jev-*, typesafe/jev-*, gpt-6-luna, gpt-6-luna-*"
 def is_hosted_name(name: str) -> bool:
     """Whether `name` is one of the hosted services' model names (visible ASCII only)."""
     return name in HOSTED_NAMES or HOSTED_FAMILY.fullmatch(name) is not None
+
+
+def resolve(
+    name: str,
+    registered: Callable[[str], bool],
+    default_id: str,
+    aliases: Mapping[str, str],
+    hosted: bool,
+) -> str | None:
+    """The registered model `name` means: itself when registered, else the model its alias
+    names, else (`hosted`) the default model for a hosted name; None when it means none."""
+    for model in (name, aliases.get(name)):
+        if model is not None and registered(model):
+            return model
+    if hosted and is_hosted_name(name):
+        return default_id
+    return None
+
+
+def listed_aliases(
+    aliases: Mapping[str, str], default_id: str, hosted: bool, model_ids: list[str]
+) -> dict[str, str]:
+    """The names a model list shows besides the models' ids: the configured aliases, then
+    (`hosted`) each exact hosted name that neither a model nor an alias takes."""
+    listed = dict(aliases)
+    if hosted:
+        for name in sorted(HOSTED_NAMES):
+            if name not in listed and name not in model_ids:
+                listed[name] = default_id
+    return listed

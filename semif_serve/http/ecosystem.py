@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -95,18 +96,22 @@ class _Format:
         runtime = self._service.runtime
         if name is None:
             return runtime.default_id
-        for model in (name, self._aliases.get(name)):
-            if model is not None and _registered(runtime, model):
-                return model
-        if self._hosted_names and names.is_hosted_name(name):
-            return runtime.default_id
-        registered = ", ".join(status["id"] for status in runtime.status())
-        aliases = ", ".join(sorted(self._aliases)) or "none configured (SEMIF_MODEL_ALIASES)"
-        hosted = names.SHOWN if self._hosted_names else "off (SEMIF_HOSTED_MODEL_NAMES=0)"
-        raise ModelNotFound(
-            f"model {name!r} is neither a registered model ({registered}) nor an alias of one "
-            f"(aliases: {aliases}; hosted names: {hosted})"
-        )
+        return model_named(runtime, name, self._aliases, self._hosted_names)
+
+
+def model_named(runtime: Any, name: str, aliases: Mapping[str, str], hosted: bool) -> str:
+    """The registered model `name` means (`names.resolve`); ModelNotFound listing the models,
+    the aliases and the hosted names otherwise."""
+    model = names.resolve(name, partial(registered, runtime), runtime.default_id, aliases, hosted)
+    if model is not None:
+        return model
+    known = ", ".join(status["id"] for status in runtime.status())
+    listed = ", ".join(sorted(aliases)) or "none configured (SEMIF_MODEL_ALIASES)"
+    shown = names.SHOWN if hosted else "off (SEMIF_HOSTED_MODEL_NAMES=0)"
+    raise ModelNotFound(
+        f"model {name!r} is neither a registered model ({known}) nor an alias of one "
+        f"(aliases: {listed}; hosted names: {shown})"
+    )
 
 
 def model_header(model: str, revision: str | None) -> str:
@@ -136,7 +141,8 @@ def with_legacy_blocks(answers: Any) -> None:
         answer[LEGACY_EXTENSION] = answer[EXTENSION]
 
 
-def _registered(runtime: Any, model: str) -> bool:
+def registered(runtime: Any, model: str) -> bool:
+    """Whether `model` is a registered model's id."""
     try:
         runtime.entry(model)
     except ModelNotFound:

@@ -8,8 +8,10 @@ from typing import Any
 
 import falcon
 
+from semif_serve.apis.names import listed_aliases
 from semif_serve.errors import Forbidden, InvalidRequest
 from semif_serve.http.body import read_json_object
+from semif_serve.http.ecosystem import model_named
 from semif_serve.http.resources import send_json
 from semif_serve.runtime.registry import Runtime
 
@@ -26,16 +28,29 @@ class _Management:
 
 
 class Models(_Management):
-    """GET and HEAD /v1/models: every registered model's state; reserves nothing, resets no
-    timer."""
+    """GET and HEAD /v1/models: every registered model's state, the configured aliases and (with
+    SEMIF_HOSTED_MODEL_NAMES) the exact hosted names; reserves nothing, resets no timer."""
 
-    def __init__(self, runtime: Runtime, max_body_bytes: int, aliases: Mapping[str, str]):
+    def __init__(self, runtime: Runtime, max_body_bytes: int, settings: Any):
         super().__init__(runtime, max_body_bytes)
-        self._aliases = aliases
+        self._aliases = settings.model_aliases
+        self._hosted = settings.hosted_model_names
         self._started = int(time.time())
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        send_json(resp, model_listing(self._runtime.status(), self._aliases, self._started))
+        send_json(resp, model_listing(self._runtime.status(), self._listed(), self._started))
+
+    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        """GET /v1/models/{id} (OpenAI's `models.retrieve`): the listing's entry for a name a
+        request may send, a hosted name included; 404 model_not_found otherwise."""
+        model = model_named(self._runtime, model_id, self._aliases, self._hosted)
+        more = {} if model == model_id else {"alias_of": model}
+        entry = {"id": model_id, "object": "model", "created": self._started}
+        send_json(resp, {**entry, "owned_by": "semif-serve", **more})
+
+    def _listed(self) -> dict[str, str]:
+        ids = [status["id"] for status in self._runtime.status()]
+        return listed_aliases(self._aliases, self._runtime.default_id, self._hosted, ids)
 
     on_head = on_get  # Falcon answers a HEAD with the GET's status and headers, no body
 
@@ -74,7 +89,15 @@ def _description(status: dict[str, Any]) -> str:
 
 
 class Model(_Management):
-    """PUT /v1/models/{id}: register a new model or reconfigure one, then load it."""
+    """GET /v1/models/{id}: one name's entry (`Models.on_get_one`); PUT: register a new model or
+    reconfigure one (admin), then load it."""
+
+    def __init__(self, runtime: Runtime, max_body_bytes: int, listing: Models):
+        super().__init__(runtime, max_body_bytes)
+        self._listing = listing
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+        self._listing.on_get_one(req, resp, model_id)
 
     def on_put(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
         require_admin(req)
