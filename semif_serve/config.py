@@ -371,9 +371,14 @@ def check_alias_targets(aliases: Mapping[str, str], model_ids: list[str]) -> Non
 def parse_max_options(env: Mapping[str, str]) -> int:
     """2..255 (the formats' own limit): at most 16 groups of at most 16 options."""
     name = "SEMIF_MAX_OPTIONS"
-    limit = parse_limit(env, name, MAX_OPTIONS_LIMIT, MAX_OPTIONS_LIMIT)
-    if limit < 2:
-        raise ConfigError(f"{name}: must be 2..{MAX_OPTIONS_LIMIT}, got {limit}")
+    text = env.get(name)
+    if text is None:
+        return MAX_OPTIONS_LIMIT
+    limit = _counted(text, MAX_OPTIONS_LIMIT)
+    if limit is None or limit < 2:
+        raise ConfigError(
+            f"{name}: must be an integer in [2, {MAX_OPTIONS_LIMIT}], got {_shown(text)}"
+        )
     return limit
 
 

@@ -45,6 +45,9 @@ DEFAULTS = {
     "max_batch_tokens": 16384,
     "batch_wait_ms": 0,
     "model_aliases": {},
+    "hosted_model_names": True,
+    "max_options": 255,
+    "legacy_extension_block": False,
     "state_dir": None,
 }
 
@@ -79,6 +82,9 @@ ONE_VARIABLE = [
     ("SEMIF_MAX_BATCH_TOKENS", "4096", "max_batch_tokens", 4096),
     ("SEMIF_BATCH_WAIT_MS", "5", "batch_wait_ms", 5),
     ("SEMIF_MODEL_ALIASES", "jev-latest=default", "model_aliases", {"jev-latest": "default"}),
+    ("SEMIF_HOSTED_MODEL_NAMES", "0", "hosted_model_names", False),
+    ("SEMIF_MAX_OPTIONS", "16", "max_options", 16),
+    ("SEMIF_LEGACY_EXTENSION_BLOCK", "1", "legacy_extension_block", True),
     ("SEMIF_STATE_DIR", "/var/lib/semif", "state_dir", Path("/var/lib/semif")),
 ]
 
@@ -319,3 +325,16 @@ def test_the_checkpoint_spacing_takes_64_to_a_million_tokens():
     for text in ["1048577", "1e3", "", "9" * 400]:
         with pytest.raises(config.ConfigError, match="^SEMIF_PREFIX_CHECKPOINT_TOKENS: "):
             Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_PREFIX_CHECKPOINT_TOKENS": text})
+
+
+@pytest.mark.parametrize(("text", "limit"), [("2", 2), ("17", 17), ("0255", 255)])
+def test_max_options_is_2_to_255(text, limit):
+    env = {"SEMIF_API_TOKEN": TOKEN, "SEMIF_MAX_OPTIONS": text}
+    assert Settings.from_env(env).max_options == limit
+
+
+@pytest.mark.parametrize("text", ["1", "0", "256", "-3", "1e2", ""])
+def test_max_options_outside_2_to_255_stops_the_start(text):
+    message = rf"^SEMIF_MAX_OPTIONS: must be an integer in \[2, 255\], got '{text}'$"
+    with pytest.raises(config.ConfigError, match=message):
+        Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_MAX_OPTIONS": text})

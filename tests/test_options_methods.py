@@ -117,15 +117,15 @@ def test_the_summary_counts_what_each_record_says(script):
 
     g, t = grouped.SHARED_NORMALISER, grouped.TOURNAMENT
     records = [
-        record("a", 3, "direct", "x", True, True, 0.7),
-        record("b", 3, "direct", "y", False, True, 0.1),
+        record("a", 3, "direct", "x", True, True, 0.75),
+        record("b", 3, "direct", "y", False, True, 0.125),
         record("a", 17, g, "x", True, False),
         record("b", 17, g, "z", False, False),
         record("a", 17, t, "w", False, False),
         record("b", 17, t, "y", False, True, 0.75),
     ]
     report = script.summarise(records, [17])
-    assert report["direct"] == {"questions": 2, "accuracy": 0.5, "gold_mass": 0.4, "tokens": 100}
+    assert report["direct"] == {"questions": 2, "accuracy": 0.5, "gold_mass": 0.4375, "tokens": 100}
     table = {m["method"]: m for m in report["methods"]}
     assert (table[g]["accuracy"], table[g]["agreement"]) == (0.5, 0.0)
     assert (table[t]["accuracy"], table[t]["agreement"], table[t]["gold_mass"]) == (0.0, 0.5, 0.5)
