@@ -157,7 +157,12 @@ def serve_cuda() -> int:
     return cli.main(["serve"])
 
 
-MODES = {"fake": serve_fake, "managed": serve_managed, "poisoned": serve_poisoned, "cuda": serve_cuda}
+MODES = {
+    "fake": serve_fake,
+    "managed": serve_managed,
+    "poisoned": serve_poisoned,
+    "cuda": serve_cuda,
+}
 
 
 def command(mode: str) -> list[str]:

@@ -106,5 +106,8 @@ def test_marks_in_mixed_parts_and_tool_outputs_end_where_their_texts_do():
     request = parse(body)
     shown = state_json(request.state)
     assert [shown[:end][-4:] for end in request.breakpoints] == [', "a', "seen"]
-    assert request.state[0]["content"][0] == {"k": "v"} and type(request.state[2]["output"]) is str
+    assert (
+        request.state[0]["content"][0] == {"input_json": {"k": "v"}}
+        and type(request.state[2]["output"]) is str
+    )
     assert request.state[3]["output"] == "plain"

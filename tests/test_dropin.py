@@ -290,3 +290,110 @@ def test_the_old_block_name_is_added_only_on_request(path, body):
     answers = response.json["answers"]
     [answer] = answers.values() if isinstance(answers, dict) else answers
     assert answer["semif"] == answer["x_semif"]
+
+
+# --- the translator gaps found in review ------------------------------------------------------
+
+
+def user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def json_part(data):
+    return {"type": "input_json", "data": data}
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            od(PREDICATE, input=user(json_part([{"a": 1}, "b"]))),
+            "input[0].content[0].data[1]: must be an object",
+        ),
+        (
+            od({**PREDICATE, "instructions": [json_part([1])]}),
+            "questions[0].instructions[0].data[0]: must be an object",
+        ),
+        (
+            od(
+                PREDICATE,
+                input=[
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {
+                                "type": "output_text",
+                                "text": "ok",
+                                "prompt_cache_breakpoint": {"mode": "explicit"},
+                            }
+                        ],
+                    }
+                ],
+            ),
+            "input[0].content[0]: unknown keys ['prompt_cache_breakpoint']; allowed: text, type",
+        ),
+        (
+            od(
+                PREDICATE,
+                input=[
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "custom_tool_call", "call_id": "c", "name": "g", "input": ""},
+                ],
+            ),
+            "input[1].call_id: 'c' is already an earlier call's id",
+        ),
+        (
+            od(
+                {
+                    "type": "score",
+                    "instructions": "How?",
+                    "levels": [{"label": "low"}, {"label": "high"}, {"label": "low"}],
+                }
+            ),
+            "questions[0].levels[2].label: 'low' is already the label of questions[0].levels[0]",
+        ),
+    ],
+)
+def test_what_the_format_does_not_allow_is_a_422_naming_the_field(body, message):
+    response, scorer = post("/v1/decisions", body)
+    assert response.status_code == 422
+    assert response.json["error"]["message"] == message
+    assert scorer.calls == []
+
+
+def test_no_two_inputs_render_alike():
+    one = od(PREDICATE, input=user(json_part([{"a": 1}, {"b": 2}])))
+    two = od(PREDICATE, input=user(json_part({"a": 1}), json_part({"b": 2})))
+    texts = od(PREDICATE, input=user({"type": "input_text", "text": '{"a": 1}'}))
+    json_one = od(PREDICATE, input=user(json_part({"a": 1})))
+    states = []
+    for body in (one, two, texts, json_one):
+        response, scorer = post("/v1/decisions", body)
+        assert response.status_code == 200, response.text
+        [row] = rows(scorer)
+        states.append(json.dumps(row.state))
+    assert len(set(states)) == 4
+    assert states[0] == '[{"role": "user", "content": {"input_json": [{"a": 1}, {"b": 2}]}}]'
+
+
+@pytest.mark.parametrize(
+    ("question", "field"),
+    [
+        ({"type": "score", "instructions": "How?", "criteria": ["low", " "]}, "criteria[1]"),
+        (
+            {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "": None}},
+            "criteria.",
+        ),
+        (
+            {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": "\n"}},
+            "criteria.b",
+        ),
+    ],
+)
+def test_a_blank_option_is_refused_before_any_chunk_is_scored(question, field):
+    questions = {f"n{k}": NOUL for k in range(5)}
+    body = {"state": "s", "questions": {**questions, "late": question}}
+    response, scorer = post("/v1/systemone", body, max_decisions=2)
+    assert response.status_code == 422
+    assert response.json["error"]["message"] == f"questions.late.{field}: must be a nonempty string"
+    assert scorer.calls == []

@@ -8,6 +8,7 @@ probabilities of its k rows sent to `/decide/shared` (the same path: equal to 1e
 are)."""
 
 import json
+import math
 
 import openai
 import pytest
@@ -139,6 +140,55 @@ def test_decisions_answers_are_the_mapped_rows_and_count_the_cache(server):
     assert reused.cached_tokens == stored.cache_write_tokens and reused.cache_write_tokens == 0
     assert again.usage.input_tokens == first.usage.input_tokens == first.usage.total_tokens
     for before, after in zip(first.answers, again.answers, strict=True):
-        assert after.semif["probabilities"] == pytest.approx(
-            before.semif["probabilities"], abs=1e-5
+        assert after.x_semif["probabilities"] == pytest.approx(
+            before.x_semif["probabilities"], abs=1e-5
         )
+
+
+NAMES = [f"Queue {k:02d}" for k in range(40)]
+DESCRIPTIONS = [f"Tickets about topic {k}" for k in range(40)]
+FORTY = {"queue": Choice(instructions="Which queue?", criteria=dict(zip(NAMES, DESCRIPTIONS)))}
+
+
+def test_a_hosted_name_an_empty_state_and_forty_choices_are_answered(server):
+    """Issue 38's drop-in request on a server with no alias configured."""
+    with TypeSafeClient(api_key=TOKEN, base_url=f"http://127.0.0.1:{server.port}") as client:
+        reply = client.system_one(state={}, questions=FORTY)  # model: jev-latest
+        again = client.system_one(state={}, questions=FORTY)
+    assert reply.model == "jev-latest"
+    answer = reply.choices["queue"]
+    assert list(answer.probabilities) == NAMES
+    assert math.fsum(answer.probabilities.values()) == pytest.approx(1.0, abs=1e-12)
+    assert answer.choice == max(NAMES, key=answer.probabilities.__getitem__)
+    assert again.choices["queue"].probabilities == answer.probabilities  # deterministic
+    block = json.loads(reply.raw_http_response.content)["answers"]["queue"]["x_semif"]
+    assert block["method"] == "grouped-16" and len(block["group_prompt_sha256"]) == 3
+
+
+def test_forty_choices_are_one_softmax_over_the_groups_rows(server):
+    """grouped-16 as documented: the question as rows of 14, 13 and 13 options over the state in
+    one shared call; the answer is one softmax over all of their option logits."""
+    with TypeSafeClient(api_key=TOKEN, base_url=f"http://127.0.0.1:{server.port}") as client:
+        reply = client.system_one(state=STATE, questions=FORTY)
+    block = json.loads(reply.raw_http_response.content)["answers"]["queue"]["x_semif"]
+    decisions = [
+        {
+            "id": f"g{index}",
+            "question": "Which queue?",
+            "options": [{"id": f"o{k}", "description": DESCRIPTIONS[k]} for k in range(*cut)],
+        }
+        for index, cut in enumerate([(0, 14), (14, 27), (27, 40)])
+    ]
+    status, shared, _ = server.request(
+        "POST", "/decide/shared", {"state": STATE, "decisions": decisions}, AUTH
+    )
+    assert status == 200, shared
+    results = shared["results"]
+    assert block["group_prompt_sha256"] == [result["prompt_sha256"] for result in results]
+    logits = [x for result in results for x in result["option_logits"]]
+    assert block["option_logits"] == logits
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    expected = [w / math.fsum(weights) for w in weights]
+    got = list(reply.choices["queue"].probabilities.values())
+    assert got == pytest.approx(expected, abs=1e-12)

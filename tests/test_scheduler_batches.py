@@ -810,9 +810,11 @@ def test_a_batch_that_is_not_full_keeps_waiting_while_only_batched_requests_queu
     lone = None
     waits = watch_waits(
         rt.entry("a"),
-        when=lambda: lone is not None
-        and threading.current_thread() is lone.thread
-        and queued_jobs(rt, "a") == 1,
+        when=lambda: (
+            lone is not None
+            and threading.current_thread() is lone.thread
+            and queued_jobs(rt, "a") == 1
+        ),
     )
     lone = Submitted(rt, "lone")
     wait_until(lambda: rt.entry("a")._active == 1)

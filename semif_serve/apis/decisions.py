@@ -75,6 +75,9 @@ TOOL_CALLS = {  # item type: (its field besides call_id and name, the output ite
 TOOL_OUTPUTS = {output: call for call, (_, output) in TOOL_CALLS.items()}
 ITEM_METADATA = frozenset({"id", "status", "namespace"})
 BREAKPOINT = {"mode": "explicit"}
+# An input_json part renders as {"input_json": data}: never the same as a text (a string), a
+# refusal ({"refusal": ...}) or several parts (an array), so no two inputs render alike.
+JSON_PART = "input_json"
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,8 @@ def _item(item: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
         field, _ = TOOL_CALLS[kind]
         check_keys(item, frozenset({"type", "call_id", "name", field}) | ITEM_METADATA, where)
         call_id = _string(item, "call_id", where)
+        if call_id in calls:
+            raise InvalidRequest(f"{where}.call_id: {call_id!r} is already an earlier call's id")
         calls[call_id] = kind
         rendered = {"type": kind, "call_id": call_id, "name": _string(item, "name", where)}
         if isinstance(item.get("namespace"), str):
@@ -238,9 +243,14 @@ def _part(part: Any, where: str, allowed: frozenset[str]) -> Any:
         data = part.get("data")
         if not isinstance(data, (dict, list)):
             raise InvalidRequest(f"{where}.data: must be an object or an array of objects")
-        return data
+        for index, entry in enumerate(data if isinstance(data, list) else ()):
+            if not isinstance(entry, dict):
+                raise InvalidRequest(f"{where}.data[{index}]: must be an object")
+        return {JSON_PART: data}
     field = "refusal" if kind == "refusal" else "text"
-    check_keys(part, frozenset({"type", field, "prompt_cache_breakpoint"}), where)
+    # Only an input_text part may mark the end of a reusable prefix (the format's own rule).
+    marks = frozenset({"prompt_cache_breakpoint"}) if kind == "input_text" else frozenset()
+    check_keys(part, frozenset({"type", field}) | marks, where)
     breakpoint_ = part.get("prompt_cache_breakpoint")
     if breakpoint_ is not None and breakpoint_ != BREAKPOINT:
         raise InvalidRequest(f'{where}.prompt_cache_breakpoint: must be {{"mode": "explicit"}}')
@@ -295,7 +305,9 @@ def _instructions(value: Any, where: str) -> str:
         raise InvalidRequest(f"{where}: must not be empty")
     allowed = frozenset({"input_text", "input_image", "input_json"})
     parts = [_part(part, f"{where}[{index}]", allowed) for index, part in enumerate(value)]
-    return instructions_text("\n".join(content_text(part, where) for part in parts), where)
+    # Each input_json part as its data's JSON (a criterion is text: no wrapper needed).
+    data = [part[JSON_PART] if isinstance(part, dict) else part for part in parts]
+    return instructions_text("\n".join(content_text(part, where) for part in data), where)
 
 
 def _choices(choices: Any, where: str, limit: int) -> tuple[tuple[Any, ...], tuple[str, ...]]:
@@ -333,11 +345,16 @@ def _levels(levels: Any, where: str, limit: int) -> tuple[tuple[str, ...], tuple
     if not isinstance(levels, list):
         raise InvalidRequest(f"{where}: must be an array of {{label, description}}, lowest first")
     check_option_count(len(levels), where, "levels", limit)
-    labels, descriptions = [], []
+    labels, descriptions, seen = [], [], {}
     for index, level in enumerate(levels):
         at = f"{where}[{index}]"
         check_keys(level, LEVEL_KEYS, at)
         label = _string(level, "label", at)
+        if label in seen:
+            raise InvalidRequest(
+                f"{at}.label: {label!r} is already the label of {where}[{seen[label]}]"
+            )
+        seen[label] = index
         description = level.get("description")
         if description is not None and not isinstance(description, str):
             raise InvalidRequest(f"{at}.description: must be a string")

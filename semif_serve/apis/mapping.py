@@ -160,6 +160,7 @@ def answered(
     """Score `questions` over `state` through `decide_shared` (the service's, one call per
     `shared_bodies` body): a question of more than 16 options as its option groups, read back
     by `method` (`grouped`); a refusal names the question's own fields (`located`)."""
+    check_descriptions(questions)
     layout = grouped.plan(questions)
     first = _rows_scored(state, layout.rows, routing, per_call, decide_shared, state_field)
     later: list[Scored] = []
@@ -172,6 +173,15 @@ def answered(
     # A later call's state prefix was counted by the first (and served from it when cached).
     suffixes = sum(scored.input_tokens - scored.prefix_tokens for scored in later)
     return replace(first, results=results, input_tokens=first.input_tokens + suffixes)
+
+
+def check_descriptions(questions: list[Mapped]) -> None:
+    """Every option described, checked before any call: a request of several calls is refused
+    whole, never after its first calls were scored."""
+    for question in questions:
+        for text, field in zip(question.descriptions, question.option_fields, strict=True):
+            if not text.strip():
+                raise InvalidRequest(f"{question.where}.{field}: must be a nonempty string")
 
 
 def _rows_scored(
