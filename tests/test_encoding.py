@@ -433,13 +433,15 @@ def test_an_unknown_coding_is_a_415_envelope():
     }
     response, _ = post("/v1/decisions", SHARED, {"Content-Encoding": "gzip, br"})
     assert response.status_code == 415
+    message = "Content-Encoding: 'gzip, br' is not supported; send identity, gzip or zstd"
     assert response.json == {
         "error": {
             "code": "unsupported_media_type",
-            "message": "Content-Encoding: 'gzip, br' is not supported; send identity, gzip or zstd",
+            "message": message,
             "type": "invalid_request_error",
             "param": None,
-        }
+        },
+        "detail": {"error_type": "invalid_request_error", "message": message},
     }
     assert scorer.calls == []
 
