@@ -397,3 +397,55 @@ def test_a_blank_option_is_refused_before_any_chunk_is_scored(question, field):
     assert response.status_code == 422
     assert response.json["error"]["message"] == f"questions.late.{field}: must be a nonempty string"
     assert scorer.calls == []
+
+
+def test_read_back_by_tournament_scores_the_group_winners_in_a_final():
+    from semif_serve.apis.mapping import Mapped
+
+    question = Mapped(
+        "questions.q",
+        "Which?",
+        tuple(f"d{k}" for k in range(20)),
+        tuple(f"criteria.c{k}" for k in range(20)),
+    )
+    plain = Mapped("questions.p", "Open?", (YES, NO), ("criteria.true", "criteria.false"))
+    layout = grouped.plan([plain, question])
+    assert [len(row.descriptions) for row in layout.rows] == [2, 10, 10]
+
+    def result(probabilities, digest):
+        logits = [math.log(p) for p in probabilities]
+        common = {"prompt_version": "v", "probability_status": "s", "model": {"id": "m"}}
+        return {
+            **common,
+            "probabilities": probabilities,
+            "option_logits": logits,
+            "input_tokens": 5,
+            "prompt_sha256": digest,
+            "cache_hit": False,
+            "prefix_sha256": "p",
+        }
+
+    first = [0.05] * 5 + [0.55] + [0.05] * 4
+    second = [0.05] * 9 + [0.55]
+    results = [result([0.7, 0.3], "a"), result(first, "b"), result(second, "c")]
+    finals_sent = []
+
+    def finals(rows):
+        finals_sent.extend(rows)
+        return [result([0.25, 0.75], "f")]
+
+    [kept, read] = grouped.read_back([plain, question], layout, results, grouped.TOURNAMENT, finals)
+    assert kept is results[0]
+    [final] = finals_sent
+    assert final.descriptions == ("d5", "d19") and final.question == "Which?"
+    assert final.option_fields == ("criteria.c5", "criteria.c19")
+    expected = [p * 0.25 for p in first] + [p * 0.75 for p in second]
+    assert read["probabilities"] == pytest.approx(expected, abs=1e-15)
+    assert read["method"] == "tournament-16"
+    assert read["group_prompt_sha256"] == ["b", "c", "f"]
+    assert read["input_tokens"] == 15
+    pooled = grouped.read_back([plain, question], layout, results, grouped.SHARED_NORMALISER)
+    assert pooled[1]["method"] == "grouped-16" and pooled[1]["group_prompt_sha256"] == ["b", "c"]
+    assert pooled[1]["probabilities"] == pytest.approx(
+        exact_softmax([math.log(p) for p in first + second]), abs=1e-15
+    )
