@@ -147,6 +147,15 @@ def unique_choice_values(body: Body, health: dict[str, Any]) -> bool:
     return True
 
 
+def unique_level_labels(body: Body, health: dict[str, Any]) -> bool:
+    """unique-level-labels: no two levels of a Decisions score question share a label."""
+    for question in _questions(body, "score"):
+        labels = [level["label"] for level in question["levels"]]
+        if len(set(labels)) != len(labels):
+            return False
+    return True
+
+
 def choice_value_describes_itself(body: Body, health: dict[str, Any]) -> bool:
     """choice-value-describes-itself: a Decisions choice without a description (missing, null,
     empty) is described by its value's text, so a string value must then be non-blank."""
@@ -163,9 +172,17 @@ TOOL_OUTPUTS = {
 }
 
 
+def unique_call_ids(body: Body, health: dict[str, Any]) -> bool:
+    """unique-call-ids: no two tool calls (of either kind) share a call_id."""
+    if not isinstance(body["input"], list):
+        return True
+    ids = [item["call_id"] for item in body["input"] if item.get("type") in TOOL_OUTPUTS.values()]
+    return len(set(ids)) == len(ids)
+
+
 def tool_output_follows_its_call(body: Body, health: dict[str, Any]) -> bool:
     """tool-output-follows-its-call: each tool output's call_id names an earlier call of its
-    kind, the latest item with that call_id being one."""
+    kind (the latest call with that call_id, should unique-call-ids not hold)."""
     if not isinstance(body["input"], list):
         return True
     latest: dict[str, str] = {}  # call_id -> the type of the latest call with it
@@ -182,7 +199,7 @@ def rendered_depth(item: Any) -> int:
     """Levels of arrays/objects one input item takes in the state docs/decision-apis.md renders:
     a message `{"role", "content"}`, a tool call flat, a tool output `{..., "output"}`; content
     or an output of parts is the list of their renderings (one part: itself), a text part its
-    string, `input_json` its data, a refusal `{"refusal": text}`."""
+    string, `input_json` `{"input_json": data}`, a refusal `{"refusal": text}`."""
     kind = item.get("type", "message")
     if kind in ("function_call", "custom_tool_call"):
         return 1
@@ -190,7 +207,7 @@ def rendered_depth(item: Any) -> int:
     if isinstance(content, str):
         return 1
     parts = [
-        nesting_depth(part["data"]) if part["type"] == "input_json"
+        1 + nesting_depth(part["data"]) if part["type"] == "input_json"
         else 1 if part["type"] == "refusal"
         else 0
         for part in content
@@ -202,7 +219,7 @@ def input_depth(body: Body, health: dict[str, Any]) -> bool:
     """input-depth: the state rendered from `input` nests at most 32 levels."""
     if not isinstance(body["input"], list):
         return True
-    return 1 + max(rendered_depth(item) for item in body["input"]) <= INPUT_MAX_DEPTH
+    return 1 + max((rendered_depth(item) for item in body["input"]), default=0) <= INPUT_MAX_DEPTH
 
 
 INPUT_MAX_DEPTH = 32  # the state's limit (docs/openapi.yaml State x-semif-max-depth)
@@ -215,6 +232,8 @@ RULE_FILTERS: dict[str, Callable[[Body, dict[str, Any]], bool]] = {
     "choice-name-describes-itself": choice_name_describes_itself,
     "unique-choice-values": unique_choice_values,
     "choice-value-describes-itself": choice_value_describes_itself,
+    "unique-level-labels": unique_level_labels,
+    "unique-call-ids": unique_call_ids,
     "tool-output-follows-its-call": tool_output_follows_its_call,
     "input-depth": input_depth,
 }

@@ -18,9 +18,10 @@ port: `127.0.0.1:8471` becomes the test server's.
 - A Python block runs with this interpreter and must exit 0 with no traceback.
 
 The server has what the examples that say so in their first lines need: a calibration table
-holding `triage` (SEMIF_CALIBRATION), an admin token (SEMIF_ADMIN_TOKEN, given to the shell
-as ADMIN_TOKEN) and the SDKs' default model names as aliases of `default`
-(SEMIF_MODEL_ALIASES, docs/decision-apis.md).
+holding `triage` (SEMIF_CALIBRATION) and an admin token (SEMIF_ADMIN_TOKEN, given to the shell
+as ADMIN_TOKEN). It has no SEMIF_MODEL_ALIASES: the SDKs' default model names (`jev-latest`,
+`gpt-6-luna`) are served as a plain `make serve` serves them (docs/decision-apis.md, "Model
+names"), so the examples hold for a server started with no setting of its own.
 
 A block that cannot run here (`make serve` itself, an install) has the marker
 `<!-- docs-test: skip (why) -->` alone on the line right above its opening fence; Markdown
@@ -48,7 +49,6 @@ COVERED = ("README.md", "docs/api.md", "docs/cli.md", "docs/client.md", "docs/de
 SKIP_MARKER = "<!-- docs-test: skip"
 DOC_ADDRESS = "127.0.0.1:8471"
 ADMIN_TOKEN = "a" * 40
-ALIASES = "jev-latest=default,gpt-6-luna=default"  # the two SDKs' default model names
 STATUS_LINE = re.compile(r"\n?@@curl (?P<method>\S+) (?P<url>\S+) (?P<code>\d{3})@@\n")
 # Every curl prints its method, URL and status after its body, so the body can be cut out.
 CURL_SHIM = "curl() { command curl -sS -w '\\n@@curl %{method} %{url_effective} %{http_code}@@\\n' \"$@\"; }\n"
@@ -210,7 +210,6 @@ def docs_server(tmp_path_factory, builtin_cache, smollm2):
         builtin_cache,
         SEMIF_CALIBRATION=str(calibration),
         SEMIF_ADMIN_TOKEN=ADMIN_TOKEN,
-        SEMIF_MODEL_ALIASES=ALIASES,
     )
     with LiveServer(semif_serve_command(), env, folder / "server.log") as server:
         yield server, folder

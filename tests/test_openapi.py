@@ -11,7 +11,9 @@ from openapi_rules import RULE_FILTERS
 from openapi_spec_validator import validate as validate_spec
 from rows_factory import make_rows
 
-from semif_serve.config import DTYPES, Settings
+from semif_serve.apis.grouped import DIRECT, SHARED_NORMALISER
+from semif_serve.apis.names import is_hosted_name
+from semif_serve.config import DTYPES, MAX_OPTIONS_LIMIT, Settings
 from semif_serve.decisions import MAX_OPTIONS_FOR_ALL, ORDERINGS
 from semif_serve.http.errors import FALCON_CODES, STATUS_AND_CODE
 from semif_serve.runtime.scheduler import ModelScheduler
@@ -48,6 +50,7 @@ def test_the_documented_routes_are_the_apps_routes():
         ("/decide", "POST"),
         ("/decide/shared", "POST"),
         ("/v1/models", "GET"),
+        ("/v1/models/{model_id}", "GET"),
         ("/v1/models/{model_id}", "PUT"),
         ("/v1/models/{model_id}/unload", "POST"),
         ("/v1/models/unload", "POST"),
@@ -105,6 +108,37 @@ CASES += [
         },
     ),
     ("/v1/systemone", {"state": "s", "questions": {"": {**NOUL, "criteria": {}}}, "model": None}),
+    # What the ecosystem's apps send: hosted names with no alias, unknown top-level fields, empty
+    # states, a noul without instructions, more than 16 options (option groups).
+    (
+        "/v1/systemone",
+        {
+            "model": "typesafe/jev-1.13",
+            "state": "",
+            "questions": {
+                "refund": {"type": "noul", "criteria": {"true": "Money back."}},
+                "blank": {"type": "noul", "instructions": " ", "criteria": {"false": {"no": 1}}},
+                "team": {"type": "choice", "instructions": "q", "criteria": {f"t{k}": None for k in range(40)}},
+                "level": {"type": "score", "instructions": "q", "criteria": [f"l{k}" for k in range(17)]},
+            },
+            "temperature": 0,
+            "metadata": {"app": "inbox"},
+        },
+    ),
+    ("/v1/systemone", {"model": "jev-1.13.0", "state": {}, "questions": {"q": NOUL}}),
+    ("/v1/systemone", {"state": [], "questions": {"q": NOUL}, "seed": 7}),
+    ("/v1/decisions", {"model": "gpt-6-luna-2026-10-06", "input": "", "questions": [PREDICATE], "seed": 7}),
+    (
+        "/v1/decisions",
+        {
+            "input": [{"role": "user", "content": [{"type": "input_json", "data": [{"a": 1}, {"b": 2}]}]}],
+            "questions": [
+                {"type": "choice", "instructions": "q", "choices": [{"value": str(k)} for k in range(255)]},
+                {"type": "score", "instructions": "q", "levels": [{"label": str(k)} for k in range(20)]},
+            ],
+        },
+    ),
+    ("/v1/decisions", {"input": [], "questions": [PREDICATE]}),
     ("/v1/decisions", {"model": "default", "input": "The door is open.", "questions": [PREDICATE]}),
     (
         "/v1/decisions",
@@ -136,6 +170,7 @@ CASES += [
     ),
 ]  # fmt: skip
 ECOSYSTEM = {"model_aliases": {"jev-latest": "default", "gpt-6-luna": "default"}}
+LEGACY = {"legacy_extension_block": True}
 
 
 @pytest.mark.parametrize(("path", "body"), CASES)
@@ -145,6 +180,42 @@ def test_successful_requests_and_replies_match_the_schemas(path, body):
     response = testing.TestClient(app).simulate_post(path, json=body, headers=AUTH)
     assert response.status_code == 200, response.json
     validate_reply(path, "POST", 200, response.json)
+    if path.startswith("/v1/"):
+        assert response.headers["x-semif-model"].startswith("default")
+
+
+@pytest.mark.parametrize(("path", "body"), [case for case in CASES if case[0].startswith("/v1/")])
+def test_replies_with_the_legacy_block_match_the_schemas(path, body):
+    app, _ = fake_app(FakeScorer(base={"A": 1.0}), **ECOSYSTEM, **LEGACY)
+    response = testing.TestClient(app).simulate_post(path, json=body, headers=AUTH)
+    assert response.status_code == 200, response.json
+    validate_reply(path, "POST", 200, response.json)
+    answers = response.json["answers"]
+    for answer in answers.values() if isinstance(answers, dict) else answers:
+        assert answer["semif"] == answer["x_semif"]
+
+
+def test_a_grouped_answer_matches_the_readout_schema():
+    body = {
+        "state": "s",
+        "questions": {
+            "c": {
+                "type": "choice",
+                "instructions": "q",
+                "criteria": {str(k): None for k in range(40)},
+            }
+        },
+    }
+    app, _ = fake_app(FakeScorer(base={"A": 1.0}))
+    response = testing.TestClient(app).simulate_post("/v1/systemone", json=body, headers=AUTH)
+    assert response.status_code == 200, response.json
+    block = response.json["answers"]["c"]["x_semif"]
+    validate({"$ref": "#/components/schemas/Readout"}, block)
+    assert (block["method"], len(block["group_prompt_sha256"]), len(block["probabilities"])) == (
+        "grouped-16",
+        3,
+        40,
+    )
 
 
 def test_the_model_list_matches_its_schema():
@@ -156,6 +227,36 @@ def test_the_model_list_matches_its_schema():
         "jev-latest",
         "gpt-6-luna",
     ]
+    app, _ = fake_app()  # no alias: the exact hosted names are listed
+    response = testing.TestClient(app).simulate_get("/v1/models", headers=AUTH)
+    validate_reply("/v1/models", "GET", 200, response.json)
+    assert [entry["id"] for entry in response.json["data"]] == [
+        "default",
+        "gpt-6-luna",
+        "jev-latest",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "status"),
+    [
+        ("default", 200),
+        ("gpt-6-luna", 200),
+        ("jev-1.13.0", 200),
+        ("gpt-6-luna-x", 200),
+        ("nope", 404),
+        ("jev-", 404),
+    ],
+)
+def test_a_model_lookup_matches_its_schema(name, status):
+    app, _ = fake_app()
+    response = testing.TestClient(app).simulate_get(f"/v1/models/{name}", headers=AUTH)
+    assert response.status_code == status, response.json
+    validate_reply("/v1/models/{model_id}", "GET", status, response.json)
+    hosted = spec()["components"]["schemas"]["HostedModelName"]
+    assert (status == 200 and name != "default") is (
+        re.fullmatch(hosted["pattern"][1:-1], name) is not None
+    )
 
 
 def test_health_matches_its_schema():
@@ -174,7 +275,7 @@ def test_error_replies_match_the_envelope(headers, body, status):
     validate_reply("/decide", "POST", status, response.json)
 
 
-SEVENTEEN = [{"value": str(k)} for k in range(17)]
+TOO_MANY = [{"value": str(k)} for k in range(256)]
 
 
 @pytest.mark.parametrize("path", ["/v1/systemone", "/v1/decisions"])
@@ -184,7 +285,7 @@ SEVENTEEN = [{"value": str(k)} for k in range(17)]
         ({}, {}, 401, None),
         (AUTH, {"model": "nope"}, 404, None),
         (AUTH, "x" * 2000, 413, None),
-        (AUTH, {"unknown": 1}, 422, None),
+        (AUTH, ["not an object"], 422, None),
         ({**AUTH, "Content-Encoding": "br"}, {}, 415, None),
         ({**AUTH, "Content-Encoding": "gzip"}, {}, 400, None),
     ],
@@ -201,16 +302,26 @@ def test_ecosystem_error_replies_carry_openai_type_and_param(path, headers, body
     assert response.status_code == status, response.json
     validate_reply(path, "POST", status, response.json)
     assert response.json["error"]["param"] == param
+    detail = response.json["detail"]
+    if status == 422:
+        assert detail == [
+            {"loc": ["body"], "msg": response.json["error"]["message"], "type": "invalid_request"}
+        ]
+    else:
+        assert detail == {
+            "error_type": response.json["error"]["type"],
+            "message": response.json["error"]["message"],
+        }
 
 
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/systemone", {"state": "s", "questions": {"q": {"type": "choice", "instructions": "q", "criteria": {str(k): None for k in range(17)}}}}, "questions.q.criteria"),
-        ("/v1/decisions", {"input": "s", "questions": [{"type": "choice", "instructions": "q", "choices": SEVENTEEN}]}, "questions[0].choices"),
+        ("/v1/systemone", {"state": "s", "questions": {"q": {"type": "choice", "instructions": "q", "criteria": {str(k): None for k in range(256)}}}}, "questions.q.criteria"),
+        ("/v1/decisions", {"input": "s", "questions": [{"type": "choice", "instructions": "q", "choices": TOO_MANY}]}, "questions[0].choices"),
     ],
 )  # fmt: skip
-def test_more_than_16_options_is_option_count_unsupported(path, body, param):
+def test_more_than_255_options_is_option_count_unsupported(path, body, param):
     with pytest.raises(ValidationError):
         validate_request(path, body)
     app, _ = fake_app()
@@ -219,6 +330,14 @@ def test_more_than_16_options_is_option_count_unsupported(path, body, param):
     validate_reply(path, "POST", 422, response.json)
     assert response.json["error"]["code"] == "option_count_unsupported"
     assert response.json["error"]["param"] == param
+    assert response.json["detail"][0]["type"] == "option_count_unsupported"
+
+
+HOSTED_SAMPLES = [
+    "jev-latest", "jev-1.13.0", "typesafe/jev-1.13", "typesafe/jev-", "jev-", "jev", "JEV-1",
+    "gpt-6-luna", "gpt-6-luna-2026-10-06", "gpt-6-luna-", "gpt-6-lunar", "gpt-6", "jev-" + "x" * 120,
+    "jev-" + "x" * 121, "jev-a b", "jev-é", "xjev-1", "typesafe/gpt-6-luna", "default", "",
+]  # fmt: skip
 
 
 def test_the_documented_limits_are_the_servers():
@@ -248,6 +367,20 @@ def test_the_documented_limits_are_the_servers():
     assert schemas["NewModelId"]["pattern"] == f"^{MODEL_ID.pattern}$"
     assert {schemas["NewModelId"]["not"]["const"]} == RESERVED_IDS
     assert schemas["Result"]["properties"]["readout"]["enum"] == list(READOUTS.values())
+    # The ecosystem formats: up to SEMIF_MAX_OPTIONS (its default) choices or levels.
+    max_options = Settings.__dataclass_fields__["max_options"].default
+    option_lists = [
+        schemas["SystemOneChoice"]["properties"]["criteria"]["maxProperties"],
+        schemas["SystemOneScore"]["properties"]["criteria"]["maxItems"],
+        schemas["DecisionsChoice"]["properties"]["choices"]["maxItems"],
+        schemas["DecisionsScore"]["properties"]["levels"]["maxItems"],
+    ]
+    assert option_lists == [max_options] * 4 == [MAX_OPTIONS_LIMIT] * 4
+    assert schemas["EcosystemState"]["x-semif-max-depth"] == MAX_STATE_DEPTH
+    assert schemas["Readout"]["properties"]["method"]["enum"] == [DIRECT, SHARED_NORMALISER]
+    hosted = re.compile(schemas["HostedModelName"]["pattern"])
+    for name in HOSTED_SAMPLES:
+        assert (hosted.search(name) is not None) is is_hosted_name(name), name
 
 
 def test_real_scorer_results_match_the_result_schema(tiny_qwen):
@@ -289,6 +422,18 @@ def decisions_choice(*choices):
 
 def decisions_input(*items):
     return {"input": list(items), "questions": [PREDICATE]}
+
+
+def decisions_levels(*labels):
+    levels = [{"label": label} for label in labels]
+    return {"input": "s", "questions": [{"type": "score", "instructions": "q", "levels": levels}]}
+
+
+def deep_object(depth):
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
 
 
 def same_option_ids(body):
@@ -337,7 +482,13 @@ BROKEN_RULES = [
         ),
         False,
     ),
-    ("input-depth", "/v1/decisions", decisions_input({"role": "user", "content": [{"type": "input_json", "data": [DEEPEST_STATE]}]}), False),
+    ("input-depth", "/v1/decisions", decisions_input({"role": "user", "content": [{"type": "input_json", "data": deep_object(30)}]}), False),
+    ("unique-level-labels", "/v1/decisions", decisions_levels("low", "high", "low"), False),
+    ("unique-call-ids", "/v1/decisions", decisions_input({"type": "function_call", "call_id": "c", "name": "f", "arguments": ""}, {"type": "custom_tool_call", "call_id": "c", "name": "g", "input": ""}), False),
+    ("noul-needs-instructions-or-a-side", "/v1/systemone", {"state": "s", "questions": {"q": {"type": "noul"}}}, True),
+    ("noul-needs-instructions-or-a-side", "/v1/systemone", {"state": "s", "questions": {"q": {"type": "noul", "instructions": " ", "criteria": {"true": "", "false": None}}}}, True),
+    ("input-json-data-objects", "/v1/decisions", decisions_input({"role": "user", "content": [{"type": "input_json", "data": [{"a": 1}, 2]}]}), True),
+    ("breakpoint-on-input-text-only", "/v1/decisions", decisions_input({"role": "assistant", "content": [{"type": "output_text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit"}}]}), True),
 ]  # fmt: skip
 
 
