@@ -95,7 +95,7 @@ def test_system_one_vs_decide_shared_and_single_questions(server, bench_model):
     answers = post(server, "/v1/systemone", system_one)["answers"]
     results = post(server, "/decide/shared", shared)["results"]
     for result in results:
-        block = answers[result["id"]]["semif"]
+        block = answers[result["id"]]["x_semif"]
         assert block["prompt_sha256"] == result["prompt_sha256"]
         assert block["probabilities"] == pytest.approx(result["probabilities"], abs=1e-6)
     seconds = alternating(

@@ -6,7 +6,6 @@ GET /v1/models as both SDKs read it (`management.model_listing`: OpenAI's `data`
 from __future__ import annotations
 
 import json
-
 import time
 from types import MappingProxyType
 

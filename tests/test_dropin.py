@@ -449,3 +449,29 @@ def test_read_back_by_tournament_scores_the_group_winners_in_a_final():
     assert pooled[1]["probabilities"] == pytest.approx(
         exact_softmax([math.log(p) for p in first + second]), abs=1e-15
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/systemone", s1(NOUL)), ("/v1/decisions", od(PREDICATE))]
+)
+def test_an_empty_model_name_names_no_model(path, body):
+    response, scorer = post(path, {**body, "model": ""})
+    assert response.status_code == 404
+    assert response.json["error"]["message"].startswith("model '' is neither a registered model")
+    assert scorer.calls == []
+
+
+def test_models_retrieve_answers_head_and_an_empty_id_is_404():
+    app, _ = fake_app(FakeScorer())
+    client = testing.TestClient(app)
+    head = client.simulate_head("/v1/models/gpt-6-luna", headers=AUTH)
+    assert (head.status_code, head.content) == (200, b"")
+    assert client.simulate_get("/v1/models/", headers=AUTH).status_code == 404
+
+
+def test_the_ignored_fields_are_named_on_a_refusal_too():
+    body = {"state": "s", "question": {"q": NOUL}}  # `questions` misspelt
+    response, scorer = post("/v1/systemone", body)
+    assert response.status_code == 422
+    assert response.headers["x-semif-ignored-fields"] == "question"
+    assert scorer.calls == []

@@ -78,16 +78,7 @@ headers = {{ Authorization = "Bearer {ADMIN_TOKEN}" }}
 # Failures schemathesis finds that are server defects reported to the lead and not fixed yet:
 # (failure code, operation) -> the defect. Each makes the test an xfail naming it; one that no
 # longer happens fails the test, so the entry is removed once the server is fixed.
-EMPTY_MODEL = (
-    'an empty model name ("") is served by the default model (the registry reads "" as no name) '
-    "where the document says any name but an id, an alias or a hosted name is a 404 "
-    'model_not_found; the reply echoes "" and x-semif-model has no id '
-    '(`; revision="..."`)'
-)
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    ("ST201", "POST /v1/systemone"): EMPTY_MODEL,
-    ("ST201", "POST /v1/decisions"): EMPTY_MODEL,
-}
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
 # Two runs against one server, in this order. `PUT /v1/models/{id}` registers every new id it is

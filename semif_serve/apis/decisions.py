@@ -31,7 +31,6 @@ from semif_serve.apis.mapping import (
     confidence,
     content_text,
     expected_score,
-    ignored_keys,
     instructions_text,
     readout,
     refuse_image,
@@ -96,7 +95,6 @@ class Request:
     routing: dict[str, Any]
     session: str | None = None  # prompt_cache_key: the partition its state prefixes are kept in
     breakpoints: tuple[int, ...] = ()  # where marked input parts end in state_json(state)
-    ignored: tuple[str, ...] = ()  # top-level fields the format does not name
 
 
 def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Request:
@@ -118,8 +116,7 @@ def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Reque
     parsed = [_question(index, question, max_options) for index, question in enumerate(questions)]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
     state, breakpoints = marked_ends(rendered_input(body["input"]))
-    ignored = ignored_keys(body, REQUEST_KEYS)
-    return Request(model, state, parsed, routing, session, breakpoints, ignored)
+    return Request(model, state, parsed, routing, session, breakpoints)
 
 
 def _cache_options(options: Any) -> None:

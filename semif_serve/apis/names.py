@@ -31,7 +31,10 @@ def resolve(
     hosted: bool,
 ) -> str | None:
     """The registered model `name` means: itself when registered, else the model its alias
-    names, else (`hosted`) the default model for a hosted name; None when it means none."""
+    names, else (`hosted`) the default model for a hosted name; None when it means none (an
+    empty name means none: it is not the default model)."""
+    if not name:
+        return None
     for model in (name, aliases.get(name)):
         if model is not None and registered(model):
             return model

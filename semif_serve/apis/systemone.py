@@ -30,7 +30,6 @@ from semif_serve.apis.mapping import (
     content_text,
     described,
     expected_score,
-    ignored_keys,
     instructions_text,
     readout,
     refuse_image,
@@ -68,7 +67,6 @@ class Request:
     routing: dict[str, Any]  # passed to the service as it is (`timeout_s`)
     session: str | None = None  # System One names none: X-Semif-Session only
     breakpoints: tuple[int, ...] = ()  # nor marks any prefix
-    ignored: tuple[str, ...] = ()  # top-level fields the format does not name
 
 
 def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Request:
@@ -87,8 +85,7 @@ def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Reque
     check_question_count(len(questions))
     parsed = [_question(name, question, max_options) for name, question in questions.items()]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
-    ignored = ignored_keys(body, REQUEST_KEYS)
-    return Request(model, body["state"], parsed, routing, ignored=ignored)
+    return Request(model, body["state"], parsed, routing)
 
 
 def _question(name: str, question: Any, max_options: int) -> Question:

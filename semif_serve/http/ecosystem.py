@@ -24,7 +24,13 @@ from typing import Any
 import falcon
 
 from semif_serve.apis import decisions, names, systemone
-from semif_serve.apis.mapping import EXTENSION, LEGACY_EXTENSION, answered, refuse_image
+from semif_serve.apis.mapping import (
+    EXTENSION,
+    LEGACY_EXTENSION,
+    answered,
+    ignored_keys,
+    refuse_image,
+)
 from semif_serve.errors import ModelNotFound
 from semif_serve.http.body import read_body, read_json_object
 from semif_serve.http.encoding import coding
@@ -56,9 +62,10 @@ class _Format:
         self._refuse_attachments(req)
         header_session = session_of(req)
         body = read_json_object(req.env, self._limit, unique_keys=True)
+        ignored = ignored_keys(body, self.translator.REQUEST_KEYS)
+        if ignored:  # said on a refusal too: a misspelt field may be why
+            resp.set_header(IGNORED_HEADER, ignored_header(ignored))
         request = self.translator.parse(body, self._max_options)
-        if request.ignored:
-            resp.set_header(IGNORED_HEADER, ignored_header(request.ignored))
         session = request.session or header_session  # the body's prompt_cache_key wins
         req.context.state_key = accepted_state_key({"state": request.state}, empty_state=True)
         model = self._model(request.model)

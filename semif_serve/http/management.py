@@ -99,6 +99,8 @@ class Model(_Management):
     def on_get(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
         self._listing.on_get_one(req, resp, model_id)
 
+    on_head = on_get  # as every GET route: the GET's status and headers, no body
+
     def on_put(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
         require_admin(req)
         table = read_json_object(req.env, self._max_body_bytes)
