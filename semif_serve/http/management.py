@@ -40,13 +40,13 @@ class Models(_Management):
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         send_json(resp, model_listing(self._runtime.status(), self._listed(), self._started))
 
-    def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
+    def retrieve(self, model_id: str) -> dict[str, Any]:
         """GET /v1/models/{id} (OpenAI's `models.retrieve`): the listing's entry for a name a
         request may send, a hosted name included; 404 model_not_found otherwise."""
         model = model_named(self._runtime, model_id, self._aliases, self._hosted)
         more = {} if model == model_id else {"alias_of": model}
         entry = {"id": model_id, "object": "model", "created": self._started}
-        send_json(resp, {**entry, "owned_by": "semif-serve", **more})
+        return {**entry, "owned_by": "semif-serve", **more}
 
     def _listed(self) -> dict[str, str]:
         ids = [status["id"] for status in self._runtime.status()]
@@ -89,7 +89,7 @@ def _description(status: dict[str, Any]) -> str:
 
 
 class Model(_Management):
-    """GET /v1/models/{id}: one name's entry (`Models.on_get_one`); PUT: register a new model or
+    """GET /v1/models/{id}: one name's entry (`Models.retrieve`); PUT: register a new model or
     reconfigure one (admin), then load it."""
 
     def __init__(self, runtime: Runtime, max_body_bytes: int, listing: Models):
@@ -97,7 +97,7 @@ class Model(_Management):
         self._listing = listing
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        self._listing.on_get_one(req, resp, model_id)
+        send_json(resp, self._listing.retrieve(model_id))
 
     on_head = on_get  # as every GET route: the GET's status and headers, no body
 
