@@ -187,10 +187,10 @@ def test_instructions_missing_null_or_blank_are_refused():
 
 def test_option_counts_are_2_to_the_limit_and_more_is_option_count_unsupported():
     for count in (2, 3, 16, 17, 254, 255):
-        assert mapping.check_option_count(count, "w", "levels") is None
+        assert mapping.check_option_count(count, "w", "levels", 255) is None
     assert mapping.check_option_count(40, "w", "levels", 40) is None
     with pytest.raises(OptionCountUnsupported) as raised:
-        mapping.check_option_count(256, "questions.a.criteria", "levels")
+        mapping.check_option_count(256, "questions.a.criteria", "levels", 255)
     assert str(raised.value) == OVER_LIMIT.format(
         where="questions.a.criteria", count=256, noun="levels", limit=255
     )
@@ -199,7 +199,7 @@ def test_option_counts_are_2_to_the_limit_and_more_is_option_count_unsupported()
     assert str(raised.value).startswith("w: 17 choices, over the 16 this server scores")
     for count in (1, 0):
         with pytest.raises(InvalidRequest) as raised:
-            mapping.check_option_count(count, "w", "choices")
+            mapping.check_option_count(count, "w", "choices", 255)
         assert type(raised.value) is InvalidRequest
         assert str(raised.value) == f"w: needs at least 2 choices, got {count}"
 

@@ -5,6 +5,7 @@ on request, and the /decide routes as strict as before."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -474,4 +475,123 @@ def test_the_ignored_fields_are_named_on_a_refusal_too():
     response, scorer = post("/v1/systemone", body)
     assert response.status_code == 422
     assert response.headers["x-semif-ignored-fields"] == "question"
+    assert scorer.calls == []
+
+
+# --- what the mutation grid asked for ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (
+            "/v1/systemone",
+            s1({"type": "score", "instructions": "How?", "criteria": [f"l{k}" for k in range(17)]}),
+            "questions.q0.criteria",
+        ),
+        (
+            "/v1/decisions",
+            od(
+                {
+                    "type": "choice",
+                    "instructions": "Which?",
+                    "choices": [{"value": f"v{k}"} for k in range(17)],
+                }
+            ),
+            "questions[0].choices",
+        ),
+        (
+            "/v1/decisions",
+            od(
+                {
+                    "type": "score",
+                    "instructions": "How?",
+                    "levels": [{"label": f"l{k}"} for k in range(17)],
+                }
+            ),
+            "questions[0].levels",
+        ),
+    ],
+)
+def test_every_option_list_obeys_max_options(path, body, field):
+    response, scorer = post(path, body, max_options=16)
+    assert response.status_code == 422
+    assert response.json["error"]["param"] == field
+    assert response.json["error"]["code"] == "option_count_unsupported"
+    assert scorer.calls == []
+    assert post(path, body, max_options=17)[0].status_code == 200
+
+
+def test_a_choice_with_blank_instructions_names_them():
+    response, _ = post(
+        "/v1/systemone",
+        s1({"type": "choice", "instructions": " ", "criteria": {"a": None, "b": None}}),
+    )
+    assert response.json["error"]["message"] == "questions.q0.instructions: must not be empty"
+
+
+def test_the_grouped_block_carries_the_rows_shared_fields():
+    criteria = {f"c{k}": f"d{k}" for k in range(20)}
+    response, scorer = post(
+        "/v1/systemone",
+        s1({"type": "choice", "instructions": "Which?", "criteria": criteria}),
+        scorer=planted(20),
+    )
+    block = response.json["answers"]["q0"]["x_semif"]
+    rows_sent = rows(scorer)
+    own = [FakeScorer(base={f"d{k}": k / 10 for k in range(20)}).result(row) for row in rows_sent]
+    hashes = [result["prompt_sha256"] for result in own]
+    assert block["group_prompt_sha256"] == hashes
+    assert block["prompt_sha256"] == hashlib.sha256("\n".join(hashes).encode()).hexdigest()
+    plain, _ = post(
+        "/v1/systemone",
+        s1(
+            {
+                "type": "choice",
+                "instructions": "Which?",
+                "criteria": dict(list(criteria.items())[:2]),
+            }
+        ),
+    )
+    single = plain.json["answers"]["q0"]["x_semif"]
+    for key in ("cache_hit", "prefix_sha256", "model", "prompt_version", "probability_status"):
+        assert key in single and block[key] == single[key], key
+
+
+def test_the_softmax_of_large_logits_does_not_overflow():
+    assert grouped.softmax([1000.0, 1000.0 - math.log(3)]) == pytest.approx([0.75, 0.25], abs=1e-12)
+
+
+def test_a_hosted_name_a_model_takes_is_not_listed_as_an_alias():
+    from semif_serve.apis.names import listed_aliases
+
+    assert listed_aliases({}, "m", True, ["m", "gpt-6-luna"]) == {"jev-latest": "m"}
+    assert listed_aliases({"gpt-6-luna": "x"}, "m", True, ["m"]) == {
+        "gpt-6-luna": "x",
+        "jev-latest": "m",
+    }
+    assert listed_aliases({"a": "m"}, "m", False, ["m"]) == {"a": "m"}
+
+
+def test_sixteen_ignored_fields_are_all_named():
+    many = {f"f{k}": k for k in range(16)}
+    response, _ = post("/v1/systemone", {**s1(NOUL), **many})
+    assert response.headers["x-semif-ignored-fields"] == ", ".join(many)
+
+
+def test_the_model_header_is_always_a_legal_value():
+    from semif_serve.http.ecosystem import model_header
+
+    assert model_header("m", None) == "m"
+    assert model_header("m", ' a"b\\c~é\x7f\x1f') == 'm; revision=" a\\"b\\\\c~???"'
+
+
+def test_a_decisions_state_refusal_names_the_input():
+    deep: dict = {}
+    for _ in range(40):
+        deep = {"a": deep}
+    body = od(PREDICATE, input=user(json_part(deep)))
+    response, scorer = post("/v1/decisions", body)
+    assert response.status_code == 422
+    assert response.json["error"]["message"].startswith("input: nested deeper than 32 levels")
     assert scorer.calls == []

@@ -78,7 +78,7 @@ def instructions_text(content: Any, where: str) -> str:
     return text
 
 
-def check_option_count(count: int, where: str, noun: str, limit: int = FORMAT_OPTION_LIMIT) -> None:
+def check_option_count(count: int, where: str, noun: str, limit: int) -> None:
     """2..`limit` (SEMIF_MAX_OPTIONS) options; more is `option_count_unsupported`."""
     if count > limit:
         raise OptionCountUnsupported(
@@ -179,8 +179,9 @@ def check_descriptions(questions: list[Mapped]) -> None:
     """Every option described, checked before any call: a request of several calls is refused
     whole, never after its first calls were scored."""
     for question in questions:
-        for text, field in zip(question.descriptions, question.option_fields, strict=True):
+        for position, text in enumerate(question.descriptions):
             if not text.strip():
+                field = question.option_fields[position]
                 raise InvalidRequest(f"{question.where}.{field}: must be a nonempty string")
 
 
