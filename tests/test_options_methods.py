@@ -12,6 +12,7 @@ import pytest
 
 from semif_serve.apis import grouped
 from semif_serve.quality.labelled import read_labelled
+from semif_serve.scoring.prompt import LETTERS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "options_methods.py"
 SIZES = (17, 40)
@@ -39,7 +40,7 @@ def test_a_variant_holds_the_rows_options_among_other_groups_distractors(script,
     assert len(options) == size and len(set(ids)) == size
     assert len({option["description"] for option in options}) == size
     own = [option for option in options if option in row.row["options"]]
-    assert own == row.row["options"]  # all three, in their own order
+    assert sorted(own, key=row.row["options"].index) == row.row["options"]  # all three, once
     groups = {
         f"x-{other.id}-{o['id']}": other.group for other in labelled for o in other.row["options"]
     }
@@ -61,9 +62,19 @@ def test_the_report_of_two_rows_on_the_tiny_qwen(script, labelled, tiny_qwen, tm
     for record in records:
         assert math.isclose(record["p_sum"], 1.0, abs_tol=1e-9), record
         assert 0.0 <= record["p_gold"] <= record.get("p_real", 1.0) <= 1.0 + 1e-12
-        assert record["correct"] == (
-            record["top"] == labelled[0 if record["id"] == "ev-01a" else 1].gold
-        )
+        row = labelled[0 if record["id"] == "ev-01a" else 1]
+        assert record["correct"] == (record["top"] == row.gold)
+        if record["method"] == "direct":
+            assert (record["letter"], record["group"]) == (
+                LETTERS[row.option_ids.index(record["top"])],
+                0,
+            )
+            continue
+        # the top option's letter within its own group's row
+        options = script.variant(row, script.distractor_pool(labelled), record["size"])
+        position = [option["id"] for option in options].index(record["top"])
+        group = grouped.groups(record["size"])[record["group"]]
+        assert LETTERS[position - group.start] == record["letter"] and position in group
     direct = {r["id"]: r["top"] for r in records if r["method"] == "direct"}
     assert all(r["agrees"] == (r["top"] == direct[r["id"]]) for r in records)
     assert report["direct"]["accuracy"] == sum(r["correct"] for r in records if r["size"] == 3) / 2
@@ -93,6 +104,9 @@ def test_the_report_of_two_rows_on_the_tiny_qwen(script, labelled, tiny_qwen, tm
         assert counted <= 2 and paired["same_top"] <= 2
         row = table[paired["size"], grouped.SHARED_NORMALISER]
         assert row["accuracy"] * 2 == paired["both_right"] + paired["only_grouped"]
+        other = table[paired["size"], grouped.TOURNAMENT]
+        difference = paired["agrees_only_tournament"] - paired["agrees_only_grouped"]
+        assert (other["agreement"] - row["agreement"]) * 2 == difference
 
 
 def test_sizes_must_need_more_than_one_row(script, tiny_qwen):
@@ -101,8 +115,9 @@ def test_sizes_must_need_more_than_one_row(script, tiny_qwen):
 
 
 def test_the_summary_counts_what_each_record_says(script):
-    def record(row, size, method, top, correct, agrees, p_gold=0.25):
+    def record(row, size, method, top, correct, agrees, p_gold=0.25, letter="A"):
         return {
+            "letter": letter,
             "id": row,
             "size": size,
             "method": method,
@@ -120,15 +135,31 @@ def test_the_summary_counts_what_each_record_says(script):
         record("a", 3, "direct", "x", True, True, 0.75),
         record("b", 3, "direct", "y", False, True, 0.125),
         record("a", 17, g, "x", True, False),
-        record("b", 17, g, "z", False, False),
-        record("a", 17, t, "w", False, False),
+        record("b", 17, g, "z", False, False, letter="C"),
+        record("a", 17, t, "w", False, False, letter="B"),
         record("b", 17, t, "y", False, True, 0.75),
     ]
     report = script.summarise(records, [17])
-    assert report["direct"] == {"questions": 2, "accuracy": 0.5, "gold_mass": 0.4375, "tokens": 100}
+    assert report["direct"] == {
+        "questions": 2,
+        "accuracy": 0.5,
+        "gold_mass": 0.4375,
+        "tokens": 100,
+        "top_letter": "A",
+        "top_share": 1.0,
+    }
     table = {m["method"]: m for m in report["methods"]}
     assert (table[g]["accuracy"], table[g]["agreement"]) == (0.5, 0.0)
+    assert (table[g]["top_letter"], table[t]["top_share"]) == ("A", 0.5)
     assert (table[t]["accuracy"], table[t]["agreement"], table[t]["gold_mass"]) == (0.0, 0.5, 0.5)
     assert report["paired"] == [
-        {"size": 17, "both_right": 0, "only_grouped": 1, "only_tournament": 0, "same_top": 0}
+        {
+            "size": 17,
+            "both_right": 0,
+            "only_grouped": 1,
+            "only_tournament": 0,
+            "agrees_only_grouped": 0,
+            "agrees_only_tournament": 1,
+            "same_top": 0,
+        }
     ]
