@@ -360,7 +360,6 @@ def test_scored_counts_the_state_once_and_reads_the_cache_from_the_first_call():
         input_tokens=6 + 8 + 5,
         cached_tokens=4,
         written_tokens=6,
-        prefix_tokens=6,
     )
     replies[0]["timing"]["cached_tokens"] = 0  # only the first call says for the state
     replies[0]["timing"]["prefix_stored"] = False
@@ -370,7 +369,6 @@ def test_scored_counts_the_state_once_and_reads_the_cache_from_the_first_call():
         input_tokens=19,
         cached_tokens=0,
         written_tokens=0,
-        prefix_tokens=6,
     )
     del replies[0]["timing"]["prefix_stored"]  # a timing that does not say: nothing written
     del replies[0]["timing"]["cached_tokens"]  # nor reused

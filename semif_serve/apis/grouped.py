@@ -12,7 +12,9 @@ for every group. Two ways read the groups back (docs/quality.md measures both):
   are 16 groups at most); p(option) = p(option within its group) · p(its group's winner in the
   final). A second shared call over the same state (its prefix reused).
 
-Both are deterministic and sum to one. The row results combine into one result of the shape a
+Both are deterministic and sum to one. The server reads back by grouped-16 (`mapping.METHOD`:
+docs/quality.md found tournament-16 no better, at a second call); tournament-16 stays here for
+that measurement (bench/options_methods.py). The row results combine into one result of the shape a
 row's has, with `method` naming the way and `group_prompt_sha256` the rows' own hashes.
 """
 

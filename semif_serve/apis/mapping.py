@@ -31,7 +31,9 @@ CONFIDENCE_FORMULA = "normalized-peak-v1"
 FORMAT_OPTION_LIMIT = 255  # what both formats allow per question (SEMIF_MAX_OPTIONS' default)
 EXTENSION = "x_semif"  # the per-answer extension block: vendor fields are prefixed x_
 LEGACY_EXTENSION = "semif"  # its name until 0.x; SEMIF_LEGACY_EXTENSION_BLOCK=1 adds it
-METHOD = grouped.SHARED_NORMALISER  # how a question of more than 16 options is read back
+# How a question of more than 16 options is read back: one softmax over its groups' logits, one
+# shared call (docs/quality.md measured tournament-16 too: no better, and a second call).
+METHOD = grouped.SHARED_NORMALISER
 MAX_QUESTIONS = 400  # per request, both formats (OpenAI Decisions' own limit)
 TEMPERATURE = 1.0  # the native softmax: uncalibrated
 # How the service names a decision in its messages: `decisions[3]`, `decisions[3] (row 'q3')`,
@@ -128,7 +130,6 @@ class Scored:
     input_tokens: int  # the state once, plus every question's own tokens
     cached_tokens: int  # of those, the state prefix served from the state-prefix cache
     written_tokens: int  # the state prefix this request stored in the cache
-    prefix_tokens: int = 0  # the state prefix's own tokens (counted once in input_tokens)
 
 
 def scored(replies: Iterable[dict[str, Any]]) -> Scored:
@@ -144,7 +145,6 @@ def scored(replies: Iterable[dict[str, Any]]) -> Scored:
         input_tokens=prefix + suffixes,
         cached_tokens=first.get("cached_tokens", 0),
         written_tokens=prefix if first.get("prefix_stored") else 0,
-        prefix_tokens=prefix,
     )
 
 
@@ -155,24 +155,14 @@ def answered(
     per_call: int,
     decide_shared: Callable[[dict[str, Any]], dict[str, Any]],
     state_field: str = "state",
-    method: str = METHOD,
 ) -> Scored:
     """Score `questions` over `state` through `decide_shared` (the service's, one call per
     `shared_bodies` body): a question of more than 16 options as its option groups, read back
-    by `method` (`grouped`); a refusal names the question's own fields (`located`)."""
+    by one softmax (`grouped`, METHOD); a refusal names the question's own fields (`located`)."""
     check_descriptions(questions)
     layout = grouped.plan(questions)
-    first = _rows_scored(state, layout.rows, routing, per_call, decide_shared, state_field)
-    later: list[Scored] = []
-
-    def finals(rows: list[Mapped]) -> list[dict[str, Any]]:
-        later.append(_rows_scored(state, rows, routing, per_call, decide_shared, state_field))
-        return later[-1].results
-
-    results = grouped.read_back(questions, layout, first.results, method, finals)
-    # A later call's state prefix was counted by the first (and served from it when cached).
-    suffixes = sum(scored.input_tokens - scored.prefix_tokens for scored in later)
-    return replace(first, results=results, input_tokens=first.input_tokens + suffixes)
+    scored = _rows_scored(state, layout.rows, routing, per_call, decide_shared, state_field)
+    return replace(scored, results=grouped.read_back(questions, layout, scored.results, METHOD))
 
 
 def check_descriptions(questions: list[Mapped]) -> None:
