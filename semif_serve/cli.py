@@ -44,6 +44,7 @@ configured by environment variables (read once, at start-up):
              SEMIF_MEMORY_BUDGET_GIB
   batching   SEMIF_MAX_BATCH_ROWS SEMIF_MAX_BATCH_TOKENS SEMIF_BATCH_WAIT_MS
              SEMIF_PREFIX_CACHE_GIB SEMIF_PREFIX_CHECKPOINT_TOKENS
+  APIs       SEMIF_HOSTED_MODEL_NAMES SEMIF_MAX_OPTIONS SEMIF_LEGACY_EXTENSION_BLOCK
 each one's default and rule: docs/configuration.md; running it: docs/operations.md"""
 
 
