@@ -273,7 +273,7 @@ def test_the_tournament_multiplies_the_group_and_final_probabilities():
     cuts = [range(0, 3), range(3, 5)]
     assert grouped.winners(results, cuts) == [0, 4]
     final = {"probabilities": [0.2, 0.8]}
-    assert grouped.knocked_out(results, cuts, final) == pytest.approx([0.1, 0.05, 0.05, 0.08, 0.72])
+    assert grouped.knocked_out(results, final) == pytest.approx([0.1, 0.05, 0.05, 0.08, 0.72])
 
 
 # --- the extension block's old name ------------------------------------------------------------

@@ -95,10 +95,11 @@ def softmax(logits: Sequence[float]) -> list[float]:
 
 def winners(results: Sequence[dict[str, Any]], cut: Sequence[range]) -> list[int]:
     """Each group's most probable option (the first on a tie), as positions in the question."""
-    return [
-        group[max(range(len(group)), key=result["probabilities"].__getitem__)]
-        for result, group in zip(results, cut, strict=True)
-    ]
+    chosen = []
+    for index, group in enumerate(cut):
+        probabilities = results[index]["probabilities"]
+        chosen.append(group[max(range(len(group)), key=probabilities.__getitem__)])
+    return chosen
 
 
 def final_row(question: Any, finalists: Sequence[int]) -> Any:
@@ -106,15 +107,13 @@ def final_row(question: Any, finalists: Sequence[int]) -> Any:
     return _subset(question, finalists)
 
 
-def knocked_out(
-    results: Sequence[dict[str, Any]], cut: Sequence[range], final: dict[str, Any]
-) -> list[float]:
+def knocked_out(results: Sequence[dict[str, Any]], final: dict[str, Any]) -> list[float]:
     """tournament-16: p(option) = p(option within its group) · p(its group's winner, final)."""
     probabilities = []
-    for result, weight in zip(results, final["probabilities"], strict=True):
-        probabilities.extend(float(p) * float(weight) for p in result["probabilities"])
-    total = math.fsum(probabilities)
-    return [p / total for p in probabilities]
+    for index, result in enumerate(results):
+        weight = float(final["probabilities"][index])
+        probabilities.extend(float(p) * weight for p in result["probabilities"])
+    return probabilities
 
 
 def combined(
@@ -150,24 +149,25 @@ def read_back(
     """One result per question, in order, from the plan's row results. tournament-16 scores its
     finals through `finals` (rows in, results in order out: one more shared call)."""
     own = [[results[k] for k in span] for span in layout.spans]
-    final_results: dict[int, dict[str, Any]] = {}
     if method == TOURNAMENT:
-        grouped = [index for index, cut in enumerate(layout.cuts) if cut]
-        rows = [
-            final_row(questions[index], winners(own[index], layout.cuts[index]))
-            for index in grouped
-        ]
-        if rows:
-            assert finals is not None, "tournament-16 needs a way to score its finals"
-            final_results = dict(zip(grouped, finals(rows), strict=True))
+        return _tournament(questions, layout, own, finals)
+    out = []
+    for index, cut in enumerate(layout.cuts):
+        out.append(combined(own[index], method, pooled(own[index])) if cut else own[index][0])
+    return out
+
+
+def _tournament(
+    questions: Sequence[Any], layout: Plan, own: list[list[dict[str, Any]]], finals: Callable
+) -> list[dict[str, Any]]:
+    grouped = [index for index, cut in enumerate(layout.cuts) if cut]
+    scored = finals([final_row(questions[i], winners(own[i], layout.cuts[i])) for i in grouped])
+    final_of = {index: scored[position] for position, index in enumerate(grouped)}
     out = []
     for index, cut in enumerate(layout.cuts):
         if not cut:
             out.append(own[index][0])
-        elif method == TOURNAMENT:
-            final = final_results[index]
-            probabilities = knocked_out(own[index], cut, final)
-            out.append(combined(own[index], method, probabilities, [final]))
-        else:
-            out.append(combined(own[index], method, pooled(own[index])))
+            continue
+        final = final_of[index]
+        out.append(combined(own[index], TOURNAMENT, knocked_out(own[index], final), [final]))
     return out
