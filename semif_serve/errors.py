@@ -51,8 +51,18 @@ class RequestTooLarge(ServeError):
     """The body is over SEMIF_MAX_BODY_BYTES → 413."""
 
 
-class ServerBusy(ServeError):
-    """SEMIF_MAX_QUEUE requests are already in progress → 429."""
+class Overloaded(ServeError):
+    """A refusal the caller may retry later; `retry_after_s` is the server's estimate of when
+    its request could be served (None: no estimate yet), sent as Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServerBusy(Overloaded):
+    """SEMIF_MAX_QUEUE requests are already in progress, or the queue ahead of a request holds
+    more work than its timeout allows → 429."""
 
 
 class ServerStarting(ServeError):
@@ -79,7 +89,7 @@ class BadManagementRequest(ServeError):
     """A management call that cannot be applied (bad spec, unsupported slots) → 400."""
 
 
-class QueueTimedOut(ServeError):
+class QueueTimedOut(Overloaded):
     """A request or manager waited past the queue timeout and left the queue → 503."""
 
 
@@ -100,6 +110,8 @@ def same_failure(error: BaseException) -> BaseException:
     """A fresh exception saying what `error` says, for another thread to raise (one instance
     raised in several threads would share, and garble, its traceback)."""
     try:
-        return type(error)(*error.args)
+        copy = type(error)(*error.args)
+        copy.__dict__.update(error.__dict__)  # what the error carries besides its message
+        return copy
     except Exception:
         return RuntimeError(str(error))

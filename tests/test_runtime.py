@@ -385,6 +385,16 @@ def test_status_reports_every_field_and_reserves_nothing():
         "last_used": None,
         "last_load_error": None,
         "prefix_cache": None,
+        "queue": {
+            "estimated_wait_s": None,  # nothing measured yet
+            "waits": 0,
+            "waited_s": 0.0,
+            "estimated_waits": 0,
+            "estimated_s": 0.0,
+            "estimated_waited_s": 0.0,
+            "abandoned_queued": 0,
+            "abandoned_scoring": 0,
+        },
         "batching": {"max_rows": 1, "max_tokens": 16384, "wait_ms": 0},
     }
     holder = Held(rt, "a")

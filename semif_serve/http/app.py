@@ -28,8 +28,9 @@ def create_app(
     service: DecisionService, settings: Any, in_flight: InFlightLimit | None = None
 ) -> ServingApp:
     """The app; `in_flight` defaults to a fresh SEMIF_MAX_QUEUE limit (tests pass their own)."""
-    admission = Admission(in_flight or InFlightLimit(settings.max_queue))
     runtime = service.runtime
+    admission = Admission(in_flight or InFlightLimit(settings.max_queue))
+    admission.limit.estimate = runtime.estimated_wait  # a 429's Retry-After
     metrics = Metrics(runtime.status, lambda: admission.limit.in_flight)
     runtime.listen(metrics.model_event)
     runtime.on_batch = metrics.batch

@@ -35,7 +35,7 @@ from semif_serve.errors import ModelNotFound
 from semif_serve.http.body import read_body, read_json_object
 from semif_serve.http.encoding import coding
 from semif_serve.http.environ import CLIENT_GONE_KEY
-from semif_serve.http.resources import accepted_state_key, send_json, session_of
+from semif_serve.http.resources import accepted_state_key, patience_of, send_json, session_of
 from semif_serve.runtime.service import DecisionService
 
 MODEL_HEADER = "x-semif-model"
@@ -71,11 +71,12 @@ class _Format:
         model = self._model(request.model)
         req.context.model = model
         gone = req.env.get(CLIENT_GONE_KEY)
+        patience = patience_of(req)
 
         def decide_shared(body: dict[str, Any]) -> dict[str, Any]:
             body = {**body, "model": model}
             return self._service.decide_shared(
-                body, gone, session, request.breakpoints, empty_state=True
+                body, gone, session, request.breakpoints, empty_state=True, patience_s=patience
             ).body
 
         scored = answered(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from typing import Any
 
@@ -27,6 +28,7 @@ from semif_serve.errors import (
     ModelNotFound,
     OptionCountUnsupported,
     OutOfMemory,
+    Overloaded,
     QueueTimedOut,
     RequestTimeout,
     RequestTooLarge,
@@ -37,6 +39,7 @@ from semif_serve.errors import (
     UnsupportedEncoding,
 )
 from semif_serve.http.metrics import ABANDONED
+from semif_serve.runtime.pace import retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +72,17 @@ FALCON_CODES = {
     413: "request_too_large",
     415: "unsupported_media_type",
 }
+
+
+def retry_headers(seconds: float) -> dict[str, str]:
+    """Retry-After (whole seconds, rounded up: never sooner than estimated) and retry-after-ms."""
+    return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(round(seconds * 1000))}
+
+
 # Seconds a refused caller should wait, sent both as Retry-After and as retry-after-ms (the
-# TypeSafe and OpenAI SDKs read the second first, to the millisecond).
+# TypeSafe and OpenAI SDKs read the second first, to the millisecond). A 429 or 503 for load
+# (`Overloaded`) says the model's estimated wait instead, within [1 s, 60 s] (`runtime.pace`).
 RETRY_AFTER_S = {
-    ServerBusy: 1,
-    QueueTimedOut: 1,
     ServerStarting: 1,
     InsufficientMemory: 5,
     OutOfMemory: 1,
@@ -81,10 +90,7 @@ RETRY_AFTER_S = {
 }
 EXTRA_HEADERS: dict[type[Exception], dict[str, str]] = {
     Unauthorized: {"WWW-Authenticate": "Bearer"},
-    **{
-        kind: {"Retry-After": str(seconds), "retry-after-ms": str(seconds * 1000)}
-        for kind, seconds in RETRY_AFTER_S.items()
-    },
+    **{kind: retry_headers(seconds) for kind, seconds in RETRY_AFTER_S.items()},
     # The rest of a half-read body is still on the socket: the connection cannot be reused.
     IncompleteBody: {"Connection": "close"},
     RequestTimeout: {"Connection": "close"},
@@ -152,7 +158,10 @@ def classify(error: Exception) -> tuple[int, str, str, dict[str, str]]:
     """(status, code, message, headers) for any exception."""
     for kind, (status, code) in STATUS_AND_CODE.items():
         if isinstance(error, kind):
-            return status, code, str(error), EXTRA_HEADERS.get(kind, {})
+            headers = EXTRA_HEADERS.get(kind, {})
+            if isinstance(error, Overloaded):
+                headers = retry_headers(retry_after_s(error.retry_after_s))
+            return status, code, str(error), headers
     if isinstance(error, falcon.HTTPError):
         status = error.status_code
         message = error.description or error.title or "request failed"

@@ -154,6 +154,30 @@ def _prefix_cache_families() -> dict[str, GaugeMetricFamily | CounterMetricFamil
     }
 
 
+def _queue_families() -> dict[str, CounterMetricFamily]:
+    """Each model's queue figures (`runtime.pace.FIGURES`), keyed by their name there."""
+    counters = {
+        "waits": ("semif_queue_waits", "Requests whose wait in the model's queue ended"),
+        "waited_s": ("semif_queue_wait_seconds", "Seconds requests waited in the model's queue"),
+        "estimated_waits": (
+            "semif_queue_estimated_waits",
+            "Waits that were given an estimate as they queued (the model's pace was measured)",
+        ),
+        "estimated_s": (
+            "semif_queue_estimated_wait_seconds",
+            "The estimates those waits were given, in seconds (compare with the next)",
+        ),
+        "estimated_waited_s": (
+            "semif_queue_estimated_waited_seconds",
+            "Seconds those same waits took",
+        ),
+    }
+    return {
+        key: CounterMetricFamily(name, text, labels=["model"])
+        for key, (name, text) in counters.items()
+    }
+
+
 class _RuntimeCollector:
     """Per-model gauges, read from the runtime's status at scrape time."""
 
@@ -170,7 +194,26 @@ class _RuntimeCollector:
         )
         active = GaugeMetricFamily("semif_model_active_slots", "Slots in use", labels=["model"])
         cache = _prefix_cache_families()
+        waits = _queue_families()
+        estimate = GaugeMetricFamily(
+            "semif_queue_estimate_seconds",
+            "A request queued now would wait this long, at the model's recent pace (what a "
+            "refusal's Retry-After says); absent until a call has been measured",
+            labels=["model"],
+        )
+        abandoned = CounterMetricFamily(
+            "semif_model_requests_abandoned",
+            "Requests whose client left before (queued) or while (scoring) their engine call ran",
+            labels=["model", "stage"],
+        )
         for status in self._model_status():
+            queue = status["queue"]
+            for name, family in waits.items():
+                family.add_metric([status["id"]], queue[name])
+            if queue["estimated_wait_s"] is not None:
+                estimate.add_metric([status["id"]], queue["estimated_wait_s"])
+            for stage in ("queued", "scoring"):
+                abandoned.add_metric([status["id"], stage], queue[f"abandoned_{stage}"])
             for name in STATES:
                 state.add_metric([status["id"], name], 1.0 if status["state"] == name else 0.0)
             queued.add_metric([status["id"]], status["queued_requests"])
@@ -182,6 +225,9 @@ class _RuntimeCollector:
         yield queued
         yield active
         yield from cache.values()
+        yield from waits.values()
+        yield estimate
+        yield abandoned
         in_flight = GaugeMetricFamily(
             "semif_requests_in_progress", "Scoring POSTs admitted (queued + scoring)"
         )

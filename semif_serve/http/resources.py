@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from typing import Any
 
 import falcon
@@ -130,6 +131,22 @@ def accepted_state_key(body: dict, empty_state: bool = False) -> str | None:
         return None
 
 
+# The read timeout the OpenAI SDK announces on every request (seconds, e.g. "600.0"): the
+# longest its client waits for the reply, so the request waits no longer (and is refused at
+# once when its estimated wait is longer). The TypeSafe SDK announces none.
+PATIENCE_HEADER = "x-stainless-read-timeout"
+PATIENCE = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
+
+
+def patience_of(req: falcon.Request) -> float | None:
+    """The client's announced timeout in seconds; None when absent, zero, or not a plain
+    decimal number (the header is advisory: a value no SDK sends is ignored, never refused)."""
+    value = (req.get_header(PATIENCE_HEADER) or "").strip()
+    if not PATIENCE.fullmatch(value):
+        return None
+    return float(value) or None
+
+
 def session_of(req: falcon.Request) -> str | None:
     """The session the caller named in X-Semif-Session (None: none); a bad one is a 422."""
     return parse_session(req.get_header(SESSION_HEADER))
@@ -139,7 +156,8 @@ class Decide(_Scoring):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         session = session_of(req)
         body = self._body(req)
-        outcome = self._service.decide(body, req.env.get(CLIENT_GONE_KEY), session)
+        gone = req.env.get(CLIENT_GONE_KEY)
+        outcome = self._service.decide(body, gone, session, patience_of(req))
         self._reply(req, resp, outcome)
 
 
@@ -147,7 +165,8 @@ class DecideShared(_Scoring):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         session = session_of(req)
         body = self._body(req)
-        outcome = self._service.decide_shared(body, req.env.get(CLIENT_GONE_KEY), session)
+        gone = req.env.get(CLIENT_GONE_KEY)
+        outcome = self._service.decide_shared(body, gone, session, patience_s=patience_of(req))
         self._reply(req, resp, outcome)
 
 

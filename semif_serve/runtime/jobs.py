@@ -90,6 +90,15 @@ def forwards(jobs: list[Job]) -> list[Any]:
     return list(ran.values())
 
 
+def abandoned(jobs: list[Job], ran: list[Job]) -> tuple[int, int]:
+    """Of a batch's jobs, how many its callers left (before the engine call: dropped unscored;
+    during it: scored for no one), given those the call scored (`run_jobs`)."""
+    scored = {id(job) for job in ran}
+    before = sum(1 for job in jobs if id(job) not in scored and isinstance(job.outcome, ClientGone))
+    during = sum(1 for job in ran if job.gone is not None and job.gone())
+    return before, during
+
+
 def _encoded(engine: Any, jobs: list[Job]) -> list[Job]:
     """The jobs, each encoded by `engine` (one encoded for an engine since replaced is encoded
     again; one that cannot be is finished with its error)."""
@@ -129,6 +138,9 @@ class Waiter:
     gone: Gone | None = None
     job: Job | None = None  # a batched request's work (a batch may take it)
     is_request: bool = True  # else a manager
+    tokens: int = 0  # the request's work (`Cost.tokens`); 0: not known yet (not encoded)
+    queued: float = field(default_factory=time.monotonic)
+    estimate_s: float | None = None  # its wait as estimated when it queued (`Pace`)
 
 
 RunBatch = Callable[[Any, list[Job]], None]  # (engine, jobs): the runtime's device turn and call

@@ -25,14 +25,21 @@ from semif_serve.errors import (
     ModelLoadFailed,
     ModelNotFound,
     QueueTimedOut,
+    ServerBusy,
 )
-from semif_serve.runtime.jobs import LEFT, Job, forwards, run_jobs
+from semif_serve.runtime.jobs import LEFT, Job, abandoned, forwards, run_jobs
 from semif_serve.runtime.reconfiguration import Reconfiguration
 from semif_serve.runtime.residency import Residency
 from semif_serve.runtime.scheduler import LOADING, READY, UNLOADED, ModelScheduler
 from semif_serve.runtime.selection import BatchLimits
 from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
-from semif_serve.runtime.waiting import Deadline, QueueTimeout, WaiterGone, deadline_after
+from semif_serve.runtime.waiting import (
+    Deadline,
+    QueueTimeout,
+    WaiterGone,
+    WouldTimeOut,
+    deadline_after,
+)
 
 log = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 1.0
@@ -116,22 +123,27 @@ class Runtime(Reconfiguration, Residency):
         model_id: str | None,
         timeout_s: float | None = None,
         gone: Callable[[], bool] | None = None,
+        tokens: int = 0,
     ) -> Iterator[Any]:
         """The model's engine for one request, admitted in FIFO order, then given the device's
-        turn when models share one, all within one deadline (every wait ends at it: 503); a
-        request whose `gone` check says its caller left meanwhile, or by the time it holds both,
-        leaves unscored (499)."""
+        turn when models share one, all within one deadline (every wait ends at it: 503; a
+        deadline the estimated wait would pass is refused at once: 429); a request whose `gone`
+        check says its caller left meanwhile, or by the time it holds both, leaves unscored
+        (499). `tokens`: the request's work when known (the model's pace counts it)."""
         entry = self.entry(model_id)
         deadline = self.deadline(timeout_s)
-        with _queue_errors():
-            engine = entry.lease(deadline, self._load_admitted, gone)
+        with _queue_errors(entry):
+            engine = entry.lease(deadline, self._load_admitted, gone, tokens)
+        served = False
         try:
-            with _queue_errors(), self._device_turn(deadline, gone):
+            with _queue_errors(entry), self._device_turn(deadline, gone):
                 if gone is not None and gone():  # it left as its wait ended: never scored
+                    entry.count_abandoned("queued")
                     raise ClientGone(LEFT)
                 yield engine
+            served = True
         finally:
-            entry.release()
+            entry.release(served)
 
     def score_batched(self, model_id: str | None, timeout_s: float | None, job: Job) -> Any:
         """`job`'s outcome, scored with the model's other queued requests in one engine call
@@ -142,13 +154,23 @@ class Runtime(Reconfiguration, Residency):
 
         def run(engine: Any, jobs: list[Job]) -> None:
             ran = run_jobs(engine, jobs, self._device)
+            before, during = abandoned(jobs, ran)
+            entry.count_abandoned("queued", before)
+            entry.count_abandoned("scoring", during)
             try:
                 self.on_batch(model, forwards(ran))
             except Exception:  # the metrics' failure: logged, never a scored request's
                 log.exception("recording a batch of model %s failed", model)
 
-        with _queue_errors():
+        with _queue_errors(entry):
             return entry.serve(job, self._load_admitted, run)
+
+    def estimated_wait(self) -> float | None:
+        """Seconds until every model's queued and running work is done, at each one's recent
+        pace: their sum (models share the device one call at a time); None: none measured."""
+        estimates = [entry.estimated_wait() for entry in self._snapshot()]
+        known = [estimate for estimate in estimates if estimate is not None]
+        return sum(known) if known else None
 
     @contextmanager
     def _device_turn(self, deadline: Deadline, gone: Callable[[], bool] | None) -> Iterator[None]:
@@ -340,11 +362,15 @@ class Runtime(Reconfiguration, Residency):
 
 
 @contextmanager
-def _queue_errors() -> Iterator[None]:
-    """A request's way out of the queue, as the HTTP layer knows it: 503 or 499."""
+def _queue_errors(entry: ModelScheduler) -> Iterator[None]:
+    """A request's way out of the queue, as the HTTP layer knows it: 429 (refused for its
+    deadline), 503 (its deadline passed) or 499; a refusal says when to retry (the model's
+    estimated wait)."""
     try:
         yield
+    except WouldTimeOut as error:
+        raise ServerBusy(str(error), retry_after_s=error.ahead_s) from None
     except QueueTimeout as error:
-        raise QueueTimedOut(str(error)) from None
+        raise QueueTimedOut(str(error), retry_after_s=entry.estimated_wait()) from None
     except WaiterGone as error:
         raise ClientGone(f"the client closed its connection: {error}") from None

@@ -21,6 +21,9 @@ called in, and the scheduler decides each step:
 Every wait is bounded by the request's one deadline (`waiting.Deadline`) and ends when its
 caller leaves; a waiter leaves the queue on every path out of its wait, and the waiters behind
 it are woken. No lock here is held while a model loads, runs or is torn down.
+The scheduler also keeps the model's pace (`pace.Pace`, measured on its served engine calls):
+each request's estimated wait as it queues, and a request whose deadline that wait and its own
+work would pass is refused at once (`waiting.WouldTimeOut`) instead of waiting to be abandoned.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from typing import Any
 
 from semif_serve.errors import ScoringFailed, same_failure
 from semif_serve.runtime.jobs import STOPPED, Job, RunBatch, Waiter
+from semif_serve.runtime.pace import Pace
 from semif_serve.runtime.selection import BatchLimits, gather_ends, select
 from semif_serve.runtime.specs import ModelSpec
-from semif_serve.runtime.waiting import Deadline, Gone, deadline_after, wait_until
+from semif_serve.runtime.waiting import Deadline, Gone, WaiterGone, deadline_after, wait_until
 
 UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
     "unloaded",
@@ -69,6 +73,7 @@ class ModelScheduler:
         self._gathering = False  # a leader is choosing its batch: nobody else enters meanwhile
         self._loader: threading.Thread | None = None  # a request's load, running on its own
         self._failed_load: BaseException | None = None  # why the last failed load failed
+        self.pace = Pace(clock)
 
     # -- observation (no reservation, no timer reset) -----------------------------------------
 
@@ -88,7 +93,19 @@ class ModelScheduler:
                 "last_used": self.last_used,
                 "last_load_error": self.last_load_error,
                 "prefix_cache": self._cache_stats(),
+                "queue": {"estimated_wait_s": self.pace.ahead(self._queue), **self.pace.figures},
             }
+
+    def estimated_wait(self) -> float | None:
+        """Seconds until the work queued and running for this model is done, at its recent
+        pace (None: no engine call measured yet)."""
+        with self._cond:
+            return self.pace.ahead(self._queue)
+
+    def count_abandoned(self, stage: str, requests: int = 1) -> None:
+        """Requests whose callers left: `queued` (never scored) or `scoring` (scored for no one)."""
+        with self._cond:
+            self.pace.figures[f"abandoned_{stage}"] += requests
 
     def _revision(self) -> str | None:
         """The loaded weights' revision, as results and /health report it (a built-in model's
@@ -108,29 +125,37 @@ class ModelScheduler:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def lease(self, deadline: Deadline, load: Callable[[ModelScheduler], None], gone=None) -> Any:
+    def lease(
+        self,
+        deadline: Deadline,
+        load: Callable[[ModelScheduler], None],
+        gone: Gone | None = None,
+        tokens: int = 0,
+    ) -> Any:
         """Wait for a slot (FIFO), the model loaded if needed, and return its engine; `release`
-        ends the lease. `gone`: asked while it waits; True makes it leave (`WaiterGone`)."""
-        waiter = Waiter(deadline, gone)
+        ends the lease. `gone`: asked while it waits; True makes it leave (`WaiterGone`).
+        `tokens`: the request's work, when known (`selection.Cost.tokens`)."""
+        waiter = Waiter(deadline, gone, tokens=tokens)
         with self._cond:
-            self._queue.append(waiter)
-            self._cond.notify_all()  # a leader gathering its batch stops for it
+            self._admit(waiter)  # a leader gathering its batch stops for it
             self._enter(waiter, lambda: False)
         try:
-            return self._ready_engine(load, deadline, gone)
+            engine = self._ready_engine(load, deadline, gone)
         except BaseException:
             self.release()
             raise
+        with self._cond:
+            self.pace.start_call(waiter.tokens or self.pace.rate.request_tokens(), 1)
+        return engine
 
     def serve(self, job: Job, load: Callable[[ModelScheduler], None], run: RunBatch) -> Any:
         """`job`'s outcome (its `Batched` result, or the exception its request raises), run in
         a batch: its own, when it enters first (`run` is then called with the engine and the
         batch it chose), else the leader's that took it. `QueueTimeout` or `WaiterGone` when it
         left the queue untaken."""
-        waiter = Waiter(job.deadline, job.gone, job)
+        waiter = Waiter(job.deadline, job.gone, job, tokens=job.cost.tokens)
         with self._cond:
-            self._queue.append(waiter)
-            self._cond.notify_all()  # a leader gathering its batch sees it
+            self._admit(waiter)  # a leader gathering its batch sees it
             leads = not self._enter(waiter, lambda: job.taken)
             if leads:
                 job.taken = True
@@ -139,11 +164,21 @@ class ModelScheduler:
         job.done.wait()  # taken: its leader runs it, and every batch finishes every job
         return job.outcome
 
-    def release(self) -> None:
+    def release(self, served: bool = False) -> None:
+        """End a lease (or a batch leader's slot); `served`: its engine call ran to its end,
+        and its time counts in the model's pace."""
         with self._cond:
             self._active -= 1
             self._cond.notify_all()  # before the clock: if it fails, the next waiter still goes
             self.last_used = self._clock()
+            self.pace.end_call(served)
+
+    def _admit(self, waiter: Waiter) -> None:
+        """Queue a request (holding the condition) with its estimated wait, or refuse it at
+        once (`WouldTimeOut`) when that wait and its own work would pass its deadline."""
+        self.pace.admit(waiter, self._queue)
+        self._queue.append(waiter)
+        self._cond.notify_all()
 
     def _enter(self, waiter: Waiter, served: Callable[[], bool]) -> bool:
         """Wait (holding the condition) until `waiter` may enter, and hold a slot; or until
@@ -156,11 +191,14 @@ class ModelScheduler:
                 waiter.gone,
                 f"model {self.spec.id!r}",
             )
-        except BaseException:
+        except BaseException as error:
             self._leave(waiter)
+            if isinstance(error, WaiterGone):
+                self.pace.figures["abandoned_queued"] += 1
             raise
-        if served():  # the batch that took it removed it from the queue
+        if served():  # the batch that took it removed it from the queue (and timed its wait)
             return True
+        self.pace.waited(waiter)
         self._queue.popleft()
         self._active += 1
         self._cond.notify_all()  # the next request may take a spare slot
@@ -183,12 +221,14 @@ class ModelScheduler:
         except BaseException:
             self.release()
             raise  # only its own job was taken, and its own request raises this
+        served = False
         try:
             run(engine, batch)
+            served = True
         finally:  # whatever happened, no request waits for a job left unfinished
             for taken in batch:
                 taken.finish(ScoringFailed(STOPPED))
-            self.release()
+            self.release(served)
 
     def _gather(self, leader: Job, tokens: Callable[[int, int], int]) -> list[Job]:
         """The leader's batch: itself, then the oldest batched requests queued behind it, within
@@ -215,7 +255,11 @@ class ModelScheduler:
                     self._cond.wait(remaining)
                 for job in chosen[1:]:
                     job.taken = True
+                for waiter in self._queue:
+                    if waiter.job is not None and waiter.job.taken:
+                        self.pace.waited(waiter)
                 self._queue = deque(w for w in self._queue if w.job is None or not w.job.taken)
+                self.pace.start_call(sum(job.cost.tokens for job in chosen), len(chosen))
                 return chosen
             finally:
                 self._gathering = False

@@ -44,6 +44,11 @@ class Cost:
     rows: int
     length: int
 
+    @property
+    def tokens(self) -> int:
+        """The work it brings: every row at its longest prompt (what `Pace` measures by)."""
+        return self.rows * self.length
+
 
 def padded_tokens(costs: Sequence[Cost]) -> int:
     """The tokens a forward over these requests holds: every row padded to the longest prompt."""

@@ -103,14 +103,16 @@ class DecisionService:
         body: dict[str, Any],
         client_gone: ClientCheck | None = None,
         session: str | None = None,
+        patience_s: float | None = None,
     ) -> Outcome:
         """/decide. `session`: the caller's (`semif_serve.session`), whose stored state
-        prefixes the call may reuse and add to."""
+        prefixes the call may reuse and add to; `patience_s`: the timeout its client announced
+        (it bounds the request's wait as `timeout_s` does)."""
         _check_keys(body, DECIDE_KEYS, "body")
         workload = self._workload(body)
         decision = _decision(body, "", session)
         _check_workload_without_orderings(workload, [decision])
-        route = _routing(body)
+        route = _routing(body, patience_s)
         if decision.mode == "none":
             result, batch = self._scored(route, DIRECT, decision.rows[0], client_gone, [decision])
             return Outcome(
@@ -129,8 +131,10 @@ class DecisionService:
         session: str | None = None,
         breakpoints: tuple[int, ...] = (),
         empty_state: bool = False,
+        patience_s: float | None = None,
     ) -> Outcome:
-        """/decide/shared (and the ecosystem routes' calls); `session` as for `decide`;
+        """/decide/shared (and the ecosystem routes' calls); `session` and `patience_s` as for
+        `decide`;
         `breakpoints`: where the caller marked reusable ends of the state (`Row.breakpoints`);
         `empty_state`: an empty state is allowed (the ecosystem formats allow one)."""
         _check_keys(body, SHARED_KEYS, "body")
@@ -154,7 +158,7 @@ class DecisionService:
         _check_workload_without_orderings(workload, decisions)
         self._check_row_count(decisions)
         _check_unique_ids(decisions)
-        route = _routing(body)
+        route = _routing(body, patience_s)
         rows = [row for decision in decisions for row in decision.rows]
         (results, timing), batch = self._scored(route, SHARED, rows, client_gone, decisions)
 
@@ -196,7 +200,8 @@ class DecisionService:
                 gone=client_gone,
             )
             return _unbatched(self._runtime.score_batched(model_id, timeout_s, job), decisions)
-        with self._runtime.lease(model_id, timeout_s, client_gone) as engine:
+        tokens = 0 if prepared is None else cost_of(prepared).tokens
+        with self._runtime.lease(model_id, timeout_s, client_gone, tokens) as engine:
             if prepared is None or engine is not early:
                 prepared = _refused_as_422(call.prepare, engine, rows, decisions)
             return _refused_as_422(call.run, engine, prepared, decisions), None
@@ -294,8 +299,9 @@ def _check_unique_ids(decisions: list[_Decision]) -> None:
             owners[name] = decision.field.rstrip(".")
 
 
-def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
-    """The optional `model` id and `timeout_s` (which may only lower the queue timeout)."""
+def _routing(body: dict[str, Any], patience_s: float | None) -> tuple[str | None, float | None]:
+    """The optional `model` id and `timeout_s` (which may only lower the queue timeout), the
+    shorter of the body's and the client's announced `patience_s`."""
     model_id = body.get("model")
     if model_id is not None and not isinstance(model_id, str):
         raise InvalidRequest("model: must be a model id string")
@@ -309,6 +315,8 @@ def _routing(body: dict[str, Any]) -> tuple[str | None, float | None]:
                 f"timeout_s: must be a number of seconds, 0 < timeout_s <= {MAX_TIMEOUT_S}"
             )
         timeout_s = float(timeout_s)
+    if patience_s is not None:
+        timeout_s = patience_s if timeout_s is None else min(timeout_s, patience_s)
     return model_id, timeout_s
 
 

@@ -26,6 +26,18 @@ class QueueTimeout(Exception):
     """Waited past the deadline; the waiter left its queue and holds nothing."""
 
 
+class WouldTimeOut(QueueTimeout):
+    """Refused as it queued: the work ahead of it (`ahead_s`, as `pace.Pace` estimates it) and
+    its own would not be done before its deadline; it never entered the queue."""
+
+    def __init__(self, ahead_s: float, needed_s: float, timeout_s: float | None):
+        super().__init__(
+            f"the queue ahead holds about {ahead_s:.1f} s of work and this request about "
+            f"{needed_s - ahead_s:.1f} s more, over its timeout of {timeout_s:g} s"
+        )
+        self.ahead_s = ahead_s
+
+
 class WaiterGone(Exception):
     """The request's caller went away while it waited; it left its queue and holds nothing."""
 
