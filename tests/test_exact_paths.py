@@ -11,7 +11,9 @@ model. Every other path reads the decoder's hidden states and applies the head i
 - `shared`: a `/decide/shared` call (`score_shared`): packed for attention-only models, the
   prefix replicated per row for the others (Qwen3.5's linear attention, Gemma2's windows);
 - `packed`: `packed.forward_packed` itself (attention-only models, the only ones it serves);
-- `cached-hit`: the direct scorer resuming a stored prefill of the row's state prefix.
+- `cached-hit`: the direct scorer resuming a stored prefill of the row's state prefix;
+- `batched-over-template`: distinct requests (direct rows and one-row shared calls) in one
+  forward over the model's kept template prefix (`scoring.template`).
 Tiny random models, fp32 on the CPU; logits and probabilities within 1e-5. Then the head itself
 against the whole model for every class it accepts, and the refusal of any other.
 """
@@ -49,6 +51,7 @@ from semif_serve.scoring.packed import forward_packed
 from semif_serve.scoring.prefix_cache import PrefixCache
 from semif_serve.scoring.result import letter_probabilities
 from semif_serve.scoring.shared import is_pure_attention
+from semif_serve.scoring.template import TemplatePrefix
 
 TOLERANCE = 1e-5
 MAX_TOKENS = 4096
@@ -118,6 +121,31 @@ def cached_hit(model: ScoringModel) -> list:
     return list(zip(rows, results))
 
 
+def batched_over_template(model: ScoringModel) -> list:
+    """Requests over distinct states of different lengths, direct rows and one-row shared calls
+    mixed, in one forward over the model's template prefix: its prefill kept by the first
+    batch, resumed by the second (whose results are checked)."""
+    template = TemplatePrefix.of(model.tokenizer, MAX_TOKENS)
+    assert template is not None
+    rows = [rows_over(state(20 + index, 3 * index), 1, f"tpl{index}")[0] for index in range(4)]
+    inputs = [
+        direct_input(model.tokenizer, row, MAX_TOKENS, with_prefix=True)
+        if index % 2
+        else shared_input(model.tokenizer, [row], MAX_TOKENS)
+        for index, row in enumerate(rows)
+    ]
+    for _ in range(2):
+        outcomes = score_batch(model, inputs, max_tokens=MAX_TOKENS, template=template)
+    assert [outcome.rows for outcome in outcomes] == [4] * 4
+    sliding = type(model.model).__name__ == "Gemma2ForCausalLM"  # never kept, as no prefix is
+    assert (template.held_bytes() > 0) is not sliding
+    results = [
+        outcome.outcome[0][0] if index % 2 == 0 else outcome.outcome
+        for index, outcome in enumerate(outcomes)
+    ]
+    return list(zip(rows, results))
+
+
 def _probabilities(letter_logits: torch.Tensor) -> list[float]:
     return letter_probabilities(letter_logits).tolist()
 
@@ -128,6 +156,7 @@ PATHS = {
     "shared": shared,
     "packed": packed,
     "cached-hit": cached_hit,
+    "batched-over-template": batched_over_template,
 }
 # Paths a model never takes: packing needs attention-only layers (Qwen3.5 has linear attention,
 # Gemma2 sliding windows), and a prefill is stored only when its cache can be shared

@@ -22,6 +22,7 @@ from semif_serve.scoring.length_bound import bytes_per_token
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
 from semif_serve.scoring.rows import Row
 from semif_serve.scoring.shapes import AUTO, bucketed_tokens, resolve
+from semif_serve.scoring.template import TemplatePrefix
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class TorchScorer:
         if prefix_cache is not None and prefix_cache.budget_bytes > 0:
             identity = scoring_model.info.identity()
             self.prefix_cache = prefix_cache.for_model(tuple(sorted(identity.items())))
+        # The prompt start every request shares: a batch of distinct states prefills it once.
+        self.template = TemplatePrefix.of(scoring_model.tokenizer, max_tokens)
 
     def model_info(self) -> dict[str, Any]:
         return self.scoring_model.info.identity()
@@ -87,7 +90,11 @@ class TorchScorer:
     ) -> list[Batched]:
         """Several requests' inputs in as few forwards as exactness allows (`scoring.coalesced`)."""
         return score_batch(
-            self.scoring_model, items, max_tokens=self.max_tokens, prefix_cache=self._cache(cached)
+            self.scoring_model,
+            items,
+            max_tokens=self.max_tokens,
+            prefix_cache=self._cache(cached),
+            template=self.template if cached else None,
         )
 
     def batch_tokens(self, rows: int, length: int) -> int:
@@ -101,12 +108,16 @@ class TorchScorer:
         return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     def held_bytes(self) -> int:
-        """Bytes the state-prefix cache keeps between calls (every model's: one budget)."""
-        return 0 if self.prefix_cache is None else self.prefix_cache.store.total_bytes
+        """Bytes kept between calls: the state-prefix cache's (every model's: one budget) and
+        this model's template prefill."""
+        template = 0 if self.template is None else self.template.held_bytes()
+        return template + (0 if self.prefix_cache is None else self.prefix_cache.store.total_bytes)
 
     def close(self) -> None:
         """The model is going: its stored prefixes go too, unless another loaded model id on
         the same weights still uses them."""
+        if self.template is not None:
+            self.template.drop()
         if self.prefix_cache is not None:
             self.prefix_cache.close()
 

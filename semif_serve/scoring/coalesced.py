@@ -11,7 +11,13 @@ A model's scheduler (`runtime/scheduler.py`) hands the batch it chose here as on
   stored one resumed, then every row's suffix), as a shared call over those rows would run, so
   requests over the same state share its prefill, cache or not (rows of different sessions,
   `Row.cache_key`, never share one: each session reuses and stores only its own prefixes);
-- a `/decide/shared` call (a `SharedInput`) runs as a unit, never split.
+- a `/decide/shared` call (a `SharedInput`) of several rows runs as a unit, never split; one
+  of a single row (each ecosystem request of one question) runs as a direct row does, but for
+  its result's shape (the shared scorer's, `shared.shared_outcome`);
+- with the model's `TemplatePrefix` (the prompt start every request shares), the rows that run
+  as plain prompts go in ONE shared forward over it instead: its prefill kept once per model,
+  then every row's own tokens, packed without padding for attention-only models
+  (`shared.forward`), so a batch of distinct states prefills none of the template again.
 Each input gets a `Batched`: its outcome (direct: a result dict; shared: (results, timing); or
 the `RowError` its own row raised: any other failure is the whole call's) and the rows and
 padded length of the forward it ran in, and that `Forward` itself as it ran (the metrics).
@@ -35,7 +41,10 @@ from semif_serve.scoring.prefix_cache import ModelPrefixCache
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import RowError
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
-from semif_serve.scoring.shared import score_shared, state_prefix_sha256
+from semif_serve.scoring.prefill import reuse_timing
+from semif_serve.scoring.prefix_cache import Reuse
+from semif_serve.scoring.shared import score_shared, shared_outcome, state_prefix_sha256
+from semif_serve.scoring.template import TemplatePrefix
 
 Input = DirectInput | SharedInput
 
@@ -47,14 +56,15 @@ def score_batch(
     max_tokens: int,
     buckets: Buckets | None | str = AUTO,
     prefix_cache: ModelPrefixCache | None = None,
+    template: TemplatePrefix | None = None,
 ) -> list[Any]:
     """Each input's `Batched` outcome, in input order."""
     outcomes: list[Batched | None] = [None] * len(inputs)
     plain, by_prefix = [], {}
     for index, item in enumerate(inputs):
-        if isinstance(item, SharedInput) or item.max_tokens != max_tokens:
+        if item.max_tokens != max_tokens or not _plain_shared(item, prefix_cache):
             outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
-        elif item.prefix_ids is None:
+        elif isinstance(item, SharedInput) or item.prefix_ids is None:
             plain.append(index)
         else:
             by_prefix.setdefault((tuple(item.prefix_ids), item.row.cache_key), []).append(index)
@@ -62,6 +72,16 @@ def score_batch(
         if len(indices) == 1 and not _cached(inputs[indices[0]], prefix_cache):
             plain += by_prefix.pop(group_key)  # alone over its state, and not worth a lookup
     plain.sort()
+    if len(plain) > 1 and template is not None:
+        over = [index for index in plain if template.starts(_prompts(inputs[index])[0].ids)]
+        if len(over) > 1:
+            items = [inputs[i] for i in over]
+            for index, outcome in zip(over, _over_template(scoring_model, template, items, buckets)):
+                outcomes[index] = outcome
+            plain = [index for index in plain if index not in over]
+    for index in [index for index in plain if isinstance(inputs[index], SharedInput)]:
+        outcomes[index] = _alone(scoring_model, inputs[index], max_tokens, buckets, prefix_cache)
+        plain.remove(index)
     if len(plain) == 1:  # a batch of one is the unbatched call, exactly
         [index] = plain
         outcomes[index] = _alone(scoring_model, inputs[index], max_tokens, buckets, prefix_cache)
@@ -92,7 +112,52 @@ def _shared_forward(timing: dict[str, Any], prompts: list[Any]) -> Forward:
     return Forward(len(prompts), prefill + timing["padded_suffix_tokens"], prefill + suffixes)
 
 
-def _cached(item: DirectInput, prefix_cache: ModelPrefixCache | None) -> bool:
+def _plain_shared(item: Input, prefix_cache: ModelPrefixCache | None) -> bool:
+    """Whether an input may run with other requests' rows: any direct row; a shared call of one
+    row whose state prefix the cache would not take (one it would take runs alone, as before,
+    so that a state sent again finds its prefill stored)."""
+    if isinstance(item, DirectInput):
+        return True
+    return len(item.prompts) == 1 and not _cached(item, prefix_cache)
+
+
+def _prompts(item: Input) -> list[Any]:
+    return item.prompts if isinstance(item, SharedInput) else [item.prompt]
+
+
+def _over_template(
+    scoring_model: ScoringModel,
+    template: TemplatePrefix,
+    items: list[Input],
+    buckets: Buckets | None | str,
+) -> list[Batched]:
+    """Rows of distinct requests (direct rows, single-row shared calls) in one shared forward
+    over the model's template prefix; each its own outcome. Their results say they reused no
+    state prefix: the template holds none of a caller's text."""
+    started = perf_counter()
+    model = scoring_model.model
+    prompts = [_prompts(item)[0] for item in items]
+    logits, timing = shared.forward(
+        model, template.ids, prompts, resolve(buckets, model.device), template
+    )
+    forward_seconds = perf_counter() - started
+    ran = _shared_forward(timing, prompts)
+    timing = {**timing, **reuse_timing(Reuse())}  # the template's reuse is no caller's
+    width = max(len(prompt.ids) for prompt in prompts)
+    outcomes = []
+    for item, row_logits in zip(items, logits):
+        if isinstance(item, SharedInput):
+            item_started = started - item.encode_seconds
+            outcome = shared_outcome(scoring_model, item, [row_logits], timing, item_started)
+        else:
+            outcome = _direct_result(
+                scoring_model, item, row_logits, forward_seconds, result_reuse(None)
+            )
+        outcomes.append(Batched(outcome, len(items), width, ran))
+    return outcomes
+
+
+def _cached(item: Input, prefix_cache: ModelPrefixCache | None) -> bool:
     """Whether the direct scorer would run this row over its (cacheable) state prefix."""
     return (
         prefix_cache is not None

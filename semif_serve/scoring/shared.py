@@ -74,6 +74,20 @@ def score_shared(
     row_logits, forward_timing = forward(
         model, prefix_ids, prompts, resolve(buckets, model.device), cache
     )
+    return shared_outcome(scoring_model, rows, row_logits, forward_timing, started)
+
+
+def shared_outcome(
+    scoring_model: ScoringModel,
+    rows: SharedInput,
+    row_logits: list[torch.Tensor],
+    forward_timing: dict[str, Any],
+    started: float,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A shared call's (results, timing), from its rows' letter logits and its forward's
+    timing (`forward`'s, with `cache_hit`); `started`: when the call began (perf_counter)."""
+    parsed, prompts = rows.rows, rows.prompts
+    forward_timing = dict(forward_timing)
     cache_fields = {
         "cache_hit": forward_timing.pop("cache_hit"),
         "prefix_sha256": state_prefix_sha256(parsed[0], prompts[0].text),
