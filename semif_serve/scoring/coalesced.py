@@ -36,13 +36,11 @@ from semif_serve.scoring.direct import score as score_direct
 from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import Batched, DirectInput, Forward, SharedInput
 from semif_serve.scoring.model import ScoringModel
-from semif_serve.scoring.prefill import result_reuse
-from semif_serve.scoring.prefix_cache import ModelPrefixCache
+from semif_serve.scoring.prefill import result_reuse, reuse_timing
+from semif_serve.scoring.prefix_cache import ModelPrefixCache, Reuse
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import RowError
 from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
-from semif_serve.scoring.prefill import reuse_timing
-from semif_serve.scoring.prefix_cache import Reuse
 from semif_serve.scoring.shared import score_shared, shared_outcome, state_prefix_sha256
 from semif_serve.scoring.template import TemplatePrefix
 
@@ -76,7 +74,8 @@ def score_batch(
         over = [index for index in plain if template.starts(_prompts(inputs[index])[0].ids)]
         if len(over) > 1:
             items = [inputs[i] for i in over]
-            for index, outcome in zip(over, _over_template(scoring_model, template, items, buckets)):
+            merged = _over_template(scoring_model, template, items, buckets)
+            for index, outcome in zip(over, merged):
                 outcomes[index] = outcome
             plain = [index for index in plain if index not in over]
     for index in [index for index in plain if isinstance(inputs[index], SharedInput)]:
