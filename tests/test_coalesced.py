@@ -16,6 +16,7 @@ from semif_serve.scoring import PromptRejected, parse_row, score, score_shared
 from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.inputs import Batched, SharedInput, direct_input, shared_input
 from semif_serve.scoring.prefix_cache import PrefixCache
+from semif_serve.scoring.template import TemplatePrefix
 
 TOLERANCE = 1e-5
 MAX_TOKENS = 4096
@@ -211,3 +212,106 @@ def test_a_row_refused_on_its_own_fails_only_its_request(tiny_qwen):
     assert isinstance(batched[0], Batched) and batched[0].outcome["id"] == rows[0].id
     assert isinstance(batched[1].outcome, PromptRejected)
     assert "max_tokens" in str(batched[1].outcome)
+
+
+# --- issue 39: distinct requests over the model's template prefix -----------------------------
+
+
+@pytest.mark.parametrize("model_name", ["tiny_qwen", "smollm2"])
+def test_distinct_requests_run_in_one_forward_over_the_template_and_score_as_alone(
+    request, model_name
+):
+    """Direct rows and one-row shared calls (each ecosystem question) over distinct states: one
+    forward over the kept template prefix, each result the shape its own scorer gives, with the
+    numbers it gets alone; the template is prefilled by the first batch and resumed after."""
+    scoring_model = request.getfixturevalue(model_name)
+    template = TemplatePrefix.of(scoring_model.tokenizer, MAX_TOKENS)
+    rows = [parse_row(row) for row in plain_rows(4, seed=3)]
+    inputs = [
+        shared_input(scoring_model.tokenizer, [row], MAX_TOKENS)
+        if index % 2
+        else direct_input(scoring_model.tokenizer, row, MAX_TOKENS, with_prefix=True)
+        for index, row in enumerate(rows)
+    ]
+    prefilled = []
+    for _ in range(2):
+        batched = score_batch(scoring_model, inputs, max_tokens=MAX_TOKENS, template=template)
+        forward = batched[0].forward
+        assert all(outcome.forward is forward for outcome in batched)  # ONE forward
+        suffixes = sum(len(item_ids(item)) - len(template.ids) for item in inputs)
+        prefilled.append(forward.real_tokens - suffixes)
+    assert prefilled == [len(template.ids), 0]  # kept after the first, resumed by the second
+    for index, (row, outcome) in enumerate(zip(rows, batched)):
+        assert outcome.rows == 4
+        if index % 2:
+            [result], timing = outcome.outcome
+            alone, _ = score_shared(scoring_model, [row], max_tokens=MAX_TOKENS)
+            assert result["model"] == alone[0]["model"] and timing["batch_size"] == 1
+            assert timing["prefix_tokens"] + timing["true_suffix_tokens"] == len(
+                item_ids(inputs[index])
+            )
+            assert close(result, alone[0])
+        else:
+            result = outcome.outcome
+            assert "serving_config" not in result["model"]  # the direct scorer's result
+            assert close(result, score(scoring_model, row, max_tokens=MAX_TOKENS))
+        assert result["cache_hit"] is False  # the template holds none of a caller's text
+
+
+def item_ids(item) -> list[int]:
+    return item.prompts[0].ids if isinstance(item, SharedInput) else item.prompt.ids
+
+
+def test_what_does_not_join_the_template_forward_runs_as_before(tiny_qwen):
+    """A shared call of several rows, and a one-row call whose state prefix the cache takes, run
+    alone; a single template row is no batch (it runs alone, as unbatched); without a template
+    direct rows share a padded forward and one-row shared calls run alone."""
+    tokenizer = tiny_qwen.tokenizer
+    template = TemplatePrefix.of(tokenizer, MAX_TOKENS)
+    cache = PrefixCache(1 << 30, min_tokens=64).for_model(("coalesced", "template"))
+    many = shared_input(tokenizer, make_rows(2, [2, 3], state=state(30)), MAX_TOKENS)
+    [long_row] = make_rows(1, 2, state=state(31, 40))
+    cached = shared_input(tokenizer, [long_row], MAX_TOKENS)
+    assert cache.caches(len(cached.prefix_ids))
+    [short_row] = make_rows(1, 2, state={"n": 1})
+    short = shared_input(tokenizer, [{**short_row, "id": "short"}], MAX_TOKENS)
+    assert not cache.caches(len(short.prefix_ids))
+    outcomes = score_batch(
+        tiny_qwen,
+        [many, cached, short],
+        max_tokens=MAX_TOKENS,
+        prefix_cache=cache,
+        template=template,
+    )
+    assert [outcome.rows for outcome in outcomes] == [2, 1, 1]
+    assert cache.stats()["entries"] >= 1  # the long state's prefill was stored, as before
+    directs = [
+        direct_input(tokenizer, parse_row(row), MAX_TOKENS, with_prefix=False)
+        for row in plain_rows(2, seed=5)
+    ]
+    alone = score_batch(tiny_qwen, [directs[0], short], max_tokens=MAX_TOKENS)
+    assert [outcome.rows for outcome in alone] == [1, 1]
+    padded = score_batch(tiny_qwen, [*directs, short], max_tokens=MAX_TOKENS)
+    assert [outcome.rows for outcome in padded] == [2, 2, 1]
+
+
+def test_a_prompt_that_does_not_begin_with_the_template_runs_without_it(tiny_qwen):
+    tokenizer = tiny_qwen.tokenizer
+    rows = [parse_row(row) for row in plain_rows(3, seed=7)]
+    inputs = [direct_input(tokenizer, row, MAX_TOKENS, with_prefix=False) for row in rows]
+    foreign = TemplatePrefix([tokenizer.encode("no prompt starts like this")[0]] * 9)
+    outcomes = score_batch(tiny_qwen, inputs, max_tokens=MAX_TOKENS, template=foreign)
+    assert [outcome.rows for outcome in outcomes] == [3, 3, 3]  # the padded forward
+    assert foreign.held_bytes() == 0
+    for row, outcome in zip(rows, outcomes):
+        assert close(outcome.outcome, score(tiny_qwen, row, max_tokens=MAX_TOKENS))
+
+
+def test_the_template_is_where_the_callers_text_starts(tiny_qwen, smollm2):
+    for scoring_model in (tiny_qwen, smollm2):
+        tokenizer = scoring_model.tokenizer
+        template = TemplatePrefix.of(tokenizer, MAX_TOKENS)
+        text = tokenizer.decode(template.ids)
+        assert text.endswith('{"evidence":') or text.endswith('{"evidence"')
+        assert "Apply the supplied criterion" in text
+        assert len(template.ids) >= 8

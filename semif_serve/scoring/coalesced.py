@@ -60,7 +60,7 @@ def score_batch(
     outcomes: list[Batched | None] = [None] * len(inputs)
     plain, by_prefix = [], {}
     for index, item in enumerate(inputs):
-        if item.max_tokens != max_tokens or not _plain_shared(item, prefix_cache):
+        if item.max_tokens != max_tokens or not _mergeable(item, prefix_cache):
             outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
         elif isinstance(item, SharedInput) or item.prefix_ids is None:
             plain.append(index)
@@ -70,26 +70,10 @@ def score_batch(
         if len(indices) == 1 and not _cached(inputs[indices[0]], prefix_cache):
             plain += by_prefix.pop(group_key)  # alone over its state, and not worth a lookup
     plain.sort()
-    if len(plain) > 1 and template is not None:
-        over = [index for index in plain if template.starts(_prompts(inputs[index])[0].ids)]
-        if len(over) > 1:
-            items = [inputs[i] for i in over]
-            merged = _over_template(scoring_model, template, items, buckets)
-            for index, outcome in zip(over, merged):
-                outcomes[index] = outcome
-            plain = [index for index in plain if index not in over]
-    for index in [index for index in plain if isinstance(inputs[index], SharedInput)]:
-        outcomes[index] = _alone(scoring_model, inputs[index], max_tokens, buckets, prefix_cache)
-        plain.remove(index)
-    if len(plain) == 1:  # a batch of one is the unbatched call, exactly
-        [index] = plain
-        outcomes[index] = _alone(scoring_model, inputs[index], max_tokens, buckets, prefix_cache)
-    elif plain:
-        items = [inputs[i] for i in plain]
-        results, shape = _padded(scoring_model, items, buckets)
-        ran = Forward(shape[0], shape[0] * shape[1], sum(len(item.prompt.ids) for item in items))
-        for index, result in zip(plain, results):
-            outcomes[index] = Batched(result, len(plain), shape[1], ran)
+    items = [inputs[index] for index in plain]
+    ran = _plain(scoring_model, items, max_tokens, buckets, prefix_cache, template)
+    for index, outcome in zip(plain, ran):
+        outcomes[index] = outcome
     for (prefix, session), indices in by_prefix.items():
         group = [inputs[i] for i in indices]
         marks = tuple(sorted({at for item in group for at in item.breakpoints}))
@@ -102,6 +86,38 @@ def score_batch(
     return outcomes
 
 
+def _plain(
+    scoring_model: ScoringModel,
+    items: list[Input],
+    max_tokens: int,
+    buckets: Buckets | None | str,
+    prefix_cache: ModelPrefixCache | None,
+    template: TemplatePrefix | None,
+) -> list[Batched]:
+    """The outcomes of inputs that run as plain prompts: two or more whose prompts begin with
+    the template in one forward over it; of the rest, two or more direct rows in one
+    right-padded forward, any other alone (a batch of one is the unbatched call, exactly)."""
+    outcomes: list[Batched | None] = [None] * len(items)
+    over = [i for i, item in enumerate(items) if template and template.starts(_ids(item))]
+    if len(over) < 2:
+        over = []  # one alone is no batch: it runs as the others do
+    else:
+        merged = _over_template(scoring_model, template, [items[i] for i in over], buckets)
+        for index, outcome in zip(over, merged):
+            outcomes[index] = outcome
+    padded = [i for i, item in enumerate(items) if i not in over and isinstance(item, DirectInput)]
+    if len(padded) > 1:
+        rows = [items[i] for i in padded]
+        results, shape = _padded(scoring_model, rows, buckets)
+        ran = Forward(shape[0], shape[0] * shape[1], sum(len(row.prompt.ids) for row in rows))
+        for index, result in zip(padded, results):
+            outcomes[index] = Batched(result, len(padded), shape[1], ran)
+    for index, item in enumerate(items):
+        if outcomes[index] is None:
+            outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
+    return outcomes
+
+
 def _shared_forward(timing: dict[str, Any], prompts: list[Any]) -> Forward:
     """What a shared forward over one state ran: its prefill (the prefix tokens not resumed
     from the prefix cache) and every suffix forward, padding and buckets included, against the
@@ -111,7 +127,7 @@ def _shared_forward(timing: dict[str, Any], prompts: list[Any]) -> Forward:
     return Forward(len(prompts), prefill + timing["padded_suffix_tokens"], prefill + suffixes)
 
 
-def _plain_shared(item: Input, prefix_cache: ModelPrefixCache | None) -> bool:
+def _mergeable(item: Input, prefix_cache: ModelPrefixCache | None) -> bool:
     """Whether an input may run with other requests' rows: any direct row; a shared call of one
     row whose state prefix the cache would not take (one it would take runs alone, as before,
     so that a state sent again finds its prefill stored)."""
@@ -120,8 +136,9 @@ def _plain_shared(item: Input, prefix_cache: ModelPrefixCache | None) -> bool:
     return len(item.prompts) == 1 and not _cached(item, prefix_cache)
 
 
-def _prompts(item: Input) -> list[Any]:
-    return item.prompts if isinstance(item, SharedInput) else [item.prompt]
+def _ids(item: Input) -> list[int]:
+    """The prompt ids of a direct row or of a one-row shared call."""
+    return item.prompts[0].ids if isinstance(item, SharedInput) else item.prompt.ids
 
 
 def _over_template(
@@ -135,7 +152,7 @@ def _over_template(
     state prefix: the template holds none of a caller's text."""
     started = perf_counter()
     model = scoring_model.model
-    prompts = [_prompts(item)[0] for item in items]
+    prompts = [item.prompts[0] if isinstance(item, SharedInput) else item.prompt for item in items]
     logits, timing = shared.forward(
         model, template.ids, prompts, resolve(buckets, model.device), template
     )
