@@ -106,6 +106,10 @@ class ClientGone(ServeError):
     (nginx's "client closed request"; no one receives it, the access log and /metrics do)."""
 
 
+# A batched request whose caller left while its batch ran, before its own forward did: never run.
+LEFT_BEFORE_FORWARD = "the client closed its connection before its forward ran"
+
+
 def same_failure(error: BaseException) -> BaseException:
     """A fresh exception saying what `error` says, for another thread to raise (one instance
     raised in several threads would share, and garble, its traceback)."""

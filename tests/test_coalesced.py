@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from rows_factory import STATE, make_rows
 
 from semif_serve.decisions import expand
+from semif_serve.errors import ClientGone
 from semif_serve.scoring import PromptRejected, parse_row, score, score_shared
 from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.inputs import Batched, SharedInput, direct_input, shared_input
@@ -315,3 +316,30 @@ def test_the_template_is_where_the_callers_text_starts(tiny_qwen, smollm2):
         assert text.endswith('{"evidence":') or text.endswith('{"evidence"')
         assert "Apply the supplied criterion" in text
         assert len(template.ids) >= 8
+
+
+def test_an_input_whose_caller_left_is_not_run_and_is_looked_at_just_before_its_forward(
+    tiny_qwen, monkeypatch
+):
+    """`left` is asked before each forward: a shared call runs first (alone), and the direct
+    rows, asked after it ran, leave the one whose caller has gone out of their forward."""
+    tokenizer = tiny_qwen.tokenizer
+    many = shared_input(tokenizer, make_rows(2, [2, 3], state=state(40)), MAX_TOKENS)
+    rows = [parse_row(row) for row in plain_rows(3, seed=9)]
+    directs = [direct_input(tokenizer, row, MAX_TOKENS, with_prefix=False) for row in rows]
+    decoder = tiny_qwen.model.get_decoder()
+    forwards = []
+    original = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda *a, **k: forwards.append(1) or original(*a, **k))
+    asked = {}
+
+    def left(item) -> bool:
+        asked[id(item)] = len(forwards)  # how many forwards had run when it was asked
+        return item is directs[1]
+
+    outcomes = score_batch(tiny_qwen, [many, *directs], max_tokens=MAX_TOKENS, left=left)
+    assert asked[id(many)] == 0 and asked[id(directs[1])] >= 1  # asked after the shared call
+    assert isinstance(outcomes[2], ClientGone)
+    assert [outcomes[1].rows, outcomes[3].rows] == [2, 2]  # its forward held the others only
+    for row, outcome in zip([rows[0], rows[2]], [outcomes[1], outcomes[3]]):
+        assert close(outcome.outcome, score(tiny_qwen, row, max_tokens=MAX_TOKENS))

@@ -6,6 +6,7 @@ import threading
 import pytest
 from fake_torch import GIB, MIB, FakeTorch
 from fakes import WAIT_S, FakeScorer
+from rows_factory import make_rows
 from runtime_fixtures import Background
 
 from semif_serve.engine.engine import (
@@ -14,7 +15,7 @@ from semif_serve.engine.engine import (
     Engine,
     is_out_of_memory,
 )
-from semif_serve.errors import OutOfMemory, ScoringFailed
+from semif_serve.errors import ClientGone, OutOfMemory, ScoringFailed
 from semif_serve.scoring import parse_row
 from semif_serve.scoring.rows import RowError
 
@@ -313,3 +314,13 @@ def test_two_threads_never_run_the_scorer_at_once_by_default(monkeypatch):
     scorer.release.set()
     first.result(), second.result()
     assert scorer.max_active == 1 and len(scorer.calls) == 2
+
+
+def test_a_scorer_without_a_batch_step_skips_an_item_whose_caller_left():
+    scorer = FakeScorer()
+    engine = Engine(scorer)
+    rows = [parse_row(row) for row in make_rows(2, 2)]
+    outcomes = engine.score_batch(rows, left=lambda row: row is rows[1])
+    assert outcomes[0].outcome["id"] == rows[0].id
+    assert isinstance(outcomes[1], ClientGone)
+    assert scorer.calls == [("score", rows[0])]

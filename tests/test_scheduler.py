@@ -44,7 +44,7 @@ class BatchScorer(FakeScorer):
         super().__init__(block=block)
         self.batches: list[list[str]] = []
 
-    def score_batch(self, items):
+    def score_batch(self, items, left=None):
         self.batches.append([item.id for item in items])
         self._enter()
         return [Batched(self.result(item), len(items), 1) for item in items]
@@ -406,7 +406,7 @@ class TightScorer(FakeScorer):
         self.calls_made: list[tuple[list[str], bool]] = []
         self.relieved: list[str] = []
 
-    def score_batch(self, items, cached=True):
+    def score_batch(self, items, cached=True, left=None):
         ids = [item.id for item in items]
         self.calls_made.append((ids, cached))
         if len(items) > self.fits or (cached and self.too_big & set(ids)):

@@ -40,7 +40,7 @@ class BatchScorer(FakeScorer):
         self.batches: list[list[str]] = []
         self.failing = set(failing)
 
-    def score_batch(self, items):
+    def score_batch(self, items, left=None):
         ids = [item[0].id if isinstance(item, list) else item.id for item in items]
         self.batches.append(ids)
         self._enter()
@@ -471,7 +471,7 @@ class SizedScorer(BatchScorer):
             id=row.id, row=row, by=self, prompt=SimpleNamespace(ids=[0] * len(row.question))
         )
 
-    def score_batch(self, items):
+    def score_batch(self, items, left=None):
         assert all(item.by is self for item in items), "scored with another scorer's encoding"
         return super().score_batch([item.row for item in items])
 
@@ -604,12 +604,12 @@ def test_a_job_that_cannot_be_encoded_again_fails_alone():
 
 
 class Miscounting(BatchScorer):
-    def score_batch(self, items):
+    def score_batch(self, items, left=None):
         return super().score_batch(items)[:1]
 
 
 class Failing(BatchScorer):
-    def score_batch(self, items):
+    def score_batch(self, items, left=None):
         super().score_batch(items)
         raise ValueError("a bug in the scorer")
 
@@ -648,7 +648,7 @@ class Gated(BatchScorer):
         super().__init__()
         self.second, self.in_second = threading.Event(), threading.Event()
 
-    def score_batch(self, items):
+    def score_batch(self, items, left=None):
         if len(self.batches) == 1:
             self.in_second.set()
             assert self.second.wait(WAIT_S)
@@ -824,3 +824,36 @@ def test_a_batch_that_is_not_full_keeps_waiting_while_only_batched_requests_queu
     second = Submitted(rt, "second")  # the third row: full, it runs
     assert [r.result().outcome["id"] for r in (lone, first, second)] == ["lone", "first", "second"]
     assert scorer.batches == [["lone", "first", "second"]]
+
+
+def test_the_engine_is_told_whose_caller_left_while_the_batch_runs_and_it_is_counted():
+    """`run_jobs` hands the engine each job's own gone check (asked before each forward); a
+    caller who left during the call is counted as abandoned while scoring, one who left before
+    it as abandoned while queued."""
+    left_now = threading.Event()
+
+    class Asking(BatchScorer):
+        asked: dict = {}
+
+        def score_batch(self, items, left=None):
+            if any(item.id == "leaving" for item in items):
+                left_now.set()  # its caller goes while this batch runs
+                self.asked = {item.id: left(item) for item in items}
+            return super().score_batch(items)
+
+    scorer = Asking()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    leaving = Submitted(rt, "leaving", gone=left_now.is_set)
+    staying = Submitted(rt, "staying")
+    jobs_queued(rt, 2)
+    before = Submitted(rt, "before", gone=lambda: True)  # leaves the queue, never taken
+    before.result()
+    assert isinstance(before.error, ClientGone)
+    scorer.release.set()
+    first.result()
+    assert staying.result().outcome["id"] == "staying"
+    leaving.result()
+    assert scorer.asked == {"leaving": True, "staying": False}
+    [status] = rt.status()
+    assert (status["queue"]["abandoned_scoring"], status["queue"]["abandoned_queued"]) == (1, 1)

@@ -35,7 +35,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from semif_serve.engine.oom_policy import is_out_of_memory, relieved, split
-from semif_serve.errors import OutOfMemory, ScoringFailed
+from semif_serve.errors import LEFT_BEFORE_FORWARD, ClientGone, OutOfMemory, ScoringFailed
 from semif_serve.scoring.inputs import Batched
 from semif_serve.scoring.rows import Row, RowError
 
@@ -111,18 +111,24 @@ class Engine:
             lambda cached: self._call(self._method("score_shared", cached), rows), self._relief()
         )
 
-    def score_batch(self, items: list[Any]) -> list[Any]:
+    def score_batch(self, items: list[Any], left: Callable[[Any], bool] | None = None) -> list[Any]:
         """Several requests' encoded inputs (a batch): each one's outcome, in order
         (`scoring.inputs.Batched`: a result, or the exception its own scoring raised; or the
         exception of the call it was part of), in as few locked calls as memory allows
-        (`oom_policy.split`). A scorer without a batch step scores them one by one."""
-        return split(items, self._batch_call, self._relief())
+        (`oom_policy.split`). A scorer without a batch step scores them one by one. `left(item)`:
+        True once that item's caller has gone; it is asked before each forward, and an item
+        whose caller left is not run (`ClientGone`)."""
+        return split(items, partial(self._batch_call, left=left), self._relief())
 
-    def _batch_call(self, items: list[Any], cached: bool) -> list[Any]:
+    def _batch_call(
+        self, items: list[Any], cached: bool, left: Callable[[Any], bool] | None = None
+    ) -> list[Any]:
         if hasattr(self._scorer, "score_batch"):
             run = self._method("score_batch", cached)
+            if left is not None:
+                run = partial(run, left=left)
         else:
-            run = partial(_each, self._one)
+            run = partial(_each, self._one, left=left)
         outcomes = self._call(run, items)
         if len(outcomes) != len(items):
             raise ScoringFailed(f"the scorer returned {len(outcomes)} outcomes for {len(items)}")
@@ -264,5 +270,11 @@ class Engine:
             self._torch.cuda.empty_cache()
 
 
-def _each(one: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    return [one(item) for item in items]
+def _each(
+    one: Callable[[Any], Any], items: list[Any], left: Callable[[Any], bool] | None = None
+) -> list[Any]:
+    """Each item scored on its own, in order; one whose caller left is not (`ClientGone`)."""
+    return [
+        ClientGone(LEFT_BEFORE_FORWARD) if left is not None and left(item) else one(item)
+        for item in items
+    ]

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from semif_serve.engine.oom_policy import bytes_to_drop, shortfall
 from semif_serve.scoring.coalesced import score_batch
-from semif_serve.scoring.inputs import Batched, DirectInput, SharedInput, direct_input, shared_input
+from semif_serve.scoring.inputs import DirectInput, SharedInput, direct_input, shared_input
 from semif_serve.scoring.length_bound import bytes_per_token
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, PrefixCache
 from semif_serve.scoring.rows import Row
@@ -86,15 +87,20 @@ class TorchScorer:
         return weights_unchanged(info.source, info.revision)
 
     def score_batch(
-        self, items: list[DirectInput | SharedInput], cached: bool = True
-    ) -> list[Batched]:
-        """Several requests' inputs in as few forwards as exactness allows (`scoring.coalesced`)."""
+        self,
+        items: list[DirectInput | SharedInput],
+        cached: bool = True,
+        left: Callable[[Any], bool] | None = None,
+    ) -> list[Any]:
+        """Several requests' inputs in as few forwards as exactness allows (`scoring.coalesced`;
+        `left`: whose caller has gone, asked before each forward)."""
         return score_batch(
             self.scoring_model,
             items,
             max_tokens=self.max_tokens,
             prefix_cache=self._cache(cached),
             template=self.template if cached else None,
+            left=left,
         )
 
     def batch_tokens(self, rows: int, length: int) -> int:

@@ -124,7 +124,13 @@ def _scored(engine: Any, jobs: list[Job]) -> None:
     finishes the jobs left)."""
     if not jobs:
         return
-    outcomes = engine.score_batch([job.item for job in jobs])
+    callers = {id(job.item): job.gone for job in jobs if job.gone is not None}
+
+    def left(item: Any) -> bool:  # asked before each forward of the call
+        gone = callers.get(id(item))
+        return gone is not None and gone()
+
+    outcomes = engine.score_batch([job.item for job in jobs], left=left)
     for job, outcome in zip(jobs, outcomes):
         job.finish(outcome)
 

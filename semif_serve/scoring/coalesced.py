@@ -26,11 +26,13 @@ Results are the scorers' own (nothing added): the server shows the batch figures
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
 import torch
 
+from semif_serve.errors import LEFT_BEFORE_FORWARD, ClientGone
 from semif_serve.scoring import shared
 from semif_serve.scoring.direct import score as score_direct
 from semif_serve.scoring.head import letter_logits
@@ -55,13 +57,27 @@ def score_batch(
     buckets: Buckets | None | str = AUTO,
     prefix_cache: ModelPrefixCache | None = None,
     template: TemplatePrefix | None = None,
+    left: Callable[[Input], bool] | None = None,
 ) -> list[Any]:
-    """Each input's `Batched` outcome, in input order."""
-    outcomes: list[Batched | None] = [None] * len(inputs)
+    """Each input's `Batched` outcome, in input order. `left(input)`: True once its caller has
+    gone; the inputs of each forward are looked at just before it runs, and one whose caller
+    left is not run (its outcome: `ClientGone`, as the engine's batch call hands it on)."""
+    outcomes: list[Any] = [None] * len(inputs)
+
+    def live(indices: list[int]) -> list[int]:
+        kept = []
+        for index in indices:
+            if left is not None and left(inputs[index]):
+                outcomes[index] = ClientGone(LEFT_BEFORE_FORWARD)
+            else:
+                kept.append(index)
+        return kept
+
     plain, by_prefix = [], {}
     for index, item in enumerate(inputs):
         if item.max_tokens != max_tokens or not _mergeable(item, prefix_cache):
-            outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
+            if live([index]):
+                outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
         elif isinstance(item, SharedInput) or item.prefix_ids is None:
             plain.append(index)
         else:
@@ -69,12 +85,15 @@ def score_batch(
     for group_key, indices in list(by_prefix.items()):  # (prefix ids, session)
         if len(indices) == 1 and not _cached(inputs[indices[0]], prefix_cache):
             plain += by_prefix.pop(group_key)  # alone over its state, and not worth a lookup
-    plain.sort()
+    plain = live(sorted(plain))
     items = [inputs[index] for index in plain]
     ran = _plain(scoring_model, items, max_tokens, buckets, prefix_cache, template)
     for index, outcome in zip(plain, ran):
         outcomes[index] = outcome
     for (prefix, session), indices in by_prefix.items():
+        indices = live(indices)
+        if not indices:
+            continue
         group = [inputs[i] for i in indices]
         marks = tuple(sorted({at for item in group for at in item.breakpoints}))
         cache = prefix_cache.within(session, marks) if _cached(group[0], prefix_cache) else None
