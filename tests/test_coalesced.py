@@ -343,3 +343,30 @@ def test_an_input_whose_caller_left_is_not_run_and_is_looked_at_just_before_its_
     assert [outcomes[1].rows, outcomes[3].rows] == [2, 2]  # its forward held the others only
     for row, outcome in zip([rows[0], rows[2]], [outcomes[1], outcomes[3]]):
         assert close(outcome.outcome, score(tiny_qwen, row, max_tokens=MAX_TOKENS))
+
+
+def test_requests_with_the_same_prompt_are_one_row_of_the_forward_each_with_its_own_ids(smollm2):
+    tokenizer = smollm2.tokenizer
+    template = TemplatePrefix.of(tokenizer, MAX_TOKENS)
+    [base] = plain_rows(1, seed=11)
+    twin = {
+        **base,
+        "id": "twin",
+        "options": [{**o, "id": f"t{k}"} for k, o in enumerate(base["options"])],
+    }
+    other = plain_rows(2, seed=12)[1]
+    rows = [parse_row(base), parse_row(twin), parse_row(other)]
+    inputs = [
+        direct_input(tokenizer, rows[0], MAX_TOKENS, with_prefix=False),
+        shared_input(tokenizer, [rows[1]], MAX_TOKENS),
+        direct_input(tokenizer, rows[2], MAX_TOKENS, with_prefix=False),
+    ]
+    outcomes = score_batch(smollm2, inputs, max_tokens=MAX_TOKENS, template=template)
+    assert [outcome.rows for outcome in outcomes] == [2, 2, 2]  # the twin prompt once
+    assert outcomes[0].forward.rows == 2
+    first, [second], _ = outcomes[0].outcome, *outcomes[1].outcome
+    assert (first["id"], second["id"]) == (rows[0].id, "twin")
+    assert second["option_ids"] == [f"t{k}" for k in range(len(rows[1].options))]
+    assert first["probabilities"] == second["probabilities"]
+    assert close(first, score(smollm2, rows[0], max_tokens=MAX_TOKENS))
+    assert close(outcomes[2].outcome, score(smollm2, rows[2], max_tokens=MAX_TOKENS))

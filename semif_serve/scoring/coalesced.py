@@ -167,20 +167,27 @@ def _over_template(
     buckets: Buckets | None | str,
 ) -> list[Batched]:
     """Rows of distinct requests (direct rows, single-row shared calls) in one shared forward
-    over the model's template prefix; each its own outcome. Their results say they reused no
-    state prefix: the template holds none of a caller's text."""
+    over the model's template prefix; each its own outcome. Requests with the same prompt (a
+    caller's retry, an item sent twice) are one row of it: the same tokens give the same
+    logits, and each request's result is built from them with its own ids. The results say
+    they reused no state prefix: the template holds none of a caller's text."""
     started = perf_counter()
     model = scoring_model.model
     prompts = [item.prompts[0] if isinstance(item, SharedInput) else item.prompt for item in items]
+    rows: dict[tuple[int, ...], int] = {}  # each distinct prompt's row in the forward
+    for prompt in prompts:
+        rows.setdefault(tuple(prompt.ids), len(rows))
+    distinct = list({tuple(prompt.ids): prompt for prompt in prompts}.values())
     logits, timing = shared.forward(
-        model, template.ids, prompts, resolve(buckets, model.device), template
+        model, template.ids, distinct, resolve(buckets, model.device), template
     )
     forward_seconds = perf_counter() - started
-    ran = _shared_forward(timing, prompts)
+    ran = _shared_forward(timing, distinct)
     timing = {**timing, **reuse_timing(Reuse())}  # the template's reuse is no caller's
     width = max(len(prompt.ids) for prompt in prompts)
     outcomes = []
-    for item, row_logits in zip(items, logits):
+    for item, prompt in zip(items, prompts):
+        row_logits = logits[rows[tuple(prompt.ids)]]
         if isinstance(item, SharedInput):
             item_started = started - item.encode_seconds
             outcome = shared_outcome(scoring_model, item, [row_logits], timing, item_started)
@@ -188,7 +195,7 @@ def _over_template(
             outcome = _direct_result(
                 scoring_model, item, row_logits, forward_seconds, result_reuse(None)
             )
-        outcomes.append(Batched(outcome, len(items), width, ran))
+        outcomes.append(Batched(outcome, len(distinct), width, ran))
     return outcomes
 
 
