@@ -58,12 +58,19 @@ class Job:
         return self.done.is_set()
 
 
-def run_jobs(engine: Any, jobs: list[Job], device: Any = None) -> list[Job]:
+def run_jobs(
+    engine: Any,
+    jobs: list[Job],
+    device: Any = None,
+    started: Callable[[list[Job]], None] = lambda jobs: None,
+) -> list[Job]:
     """Score `jobs` in one engine call (with the device's turn, when models share one) and hand
     each its outcome; returns the jobs the call scored. Any failure of the call is each of
-    their outcomes (the scheduler finishes whatever a stop left unfinished)."""
+    their outcomes (the scheduler finishes whatever a stop left unfinished). `started` is told
+    the jobs the call runs as it starts (the device its own)."""
     live = _encoded(engine, _live(jobs, expired=False))
     if device is None:
+        started(live)
         _scored(engine, live)
         return live
     try:
@@ -74,6 +81,7 @@ def run_jobs(engine: Any, jobs: list[Job], device: Any = None) -> list[Job]:
         return []
     try:
         live = _live(live, expired=waited)  # one that expired since the last look
+        started(live)
         _scored(engine, live)
         return live
     finally:

@@ -132,14 +132,15 @@ class Runtime(Reconfiguration, Residency):
         (499). `tokens`: the request's work when known (the model's pace counts it)."""
         entry = self.entry(model_id)
         deadline = self.deadline(timeout_s)
-        with _queue_errors(entry):
+        with _queue_errors(entry, self._wait_for(entry)):
             engine = entry.lease(deadline, self._load_admitted, gone, tokens)
         served = False
         try:
-            with _queue_errors(entry), self._device_turn(deadline, gone):
+            with _queue_errors(entry, self._wait_for(entry)), self._device_turn(deadline, gone):
                 if gone is not None and gone():  # it left as its wait ended: never scored
                     entry.count_abandoned("queued")
                     raise ClientGone(LEFT)
+                entry.call_started(tokens, 1)
                 yield engine
             served = True
         finally:
@@ -152,8 +153,11 @@ class Runtime(Reconfiguration, Residency):
         job.deadline = self.deadline(timeout_s)
         model = entry.spec.id
 
+        def started(live: list[Job]) -> None:
+            entry.call_started(sum(job.cost.tokens for job in live), len(live))
+
         def run(engine: Any, jobs: list[Job]) -> None:
-            ran = run_jobs(engine, jobs, self._device)
+            ran = run_jobs(engine, jobs, self._device, started)
             before, during = abandoned(jobs, ran)
             entry.count_abandoned("queued", before)
             entry.count_abandoned("scoring", during)
@@ -162,8 +166,13 @@ class Runtime(Reconfiguration, Residency):
             except Exception:  # the metrics' failure: logged, never a scored request's
                 log.exception("recording a batch of model %s failed", model)
 
-        with _queue_errors(entry):
+        with _queue_errors(entry, self._wait_for(entry)):
             return entry.serve(job, self._load_admitted, run)
+
+    def _wait_for(self, entry: ModelScheduler) -> Callable[[], float | None]:
+        """What a request to `entry` would wait: its own model's estimate, or every model's
+        when they share the device (a request waits for the others' calls too)."""
+        return entry.estimated_wait if self._device is None else self.estimated_wait
 
     def estimated_wait(self) -> float | None:
         """Seconds until every model's queued and running work is done, at each one's recent
@@ -362,15 +371,16 @@ class Runtime(Reconfiguration, Residency):
 
 
 @contextmanager
-def _queue_errors(entry: ModelScheduler) -> Iterator[None]:
-    """A request's way out of the queue, as the HTTP layer knows it: 429 (refused for its
-    deadline), 503 (its deadline passed) or 499; a refusal says when to retry (the model's
-    estimated wait)."""
+def _queue_errors(entry: ModelScheduler, estimate: Callable[[], float | None]) -> Iterator[None]:
+    """A request's way out of its waits, as the HTTP layer knows it: 429 (refused for its
+    deadline), 503 (its deadline passed: it says when to retry, `estimate`) or 499 (its caller
+    left: counted as abandoned while queued)."""
     try:
         yield
     except WouldTimeOut as error:
         raise ServerBusy(str(error), retry_after_s=error.ahead_s) from None
     except QueueTimeout as error:
-        raise QueueTimedOut(str(error), retry_after_s=entry.estimated_wait()) from None
+        raise QueueTimedOut(str(error), retry_after_s=estimate()) from None
     except WaiterGone as error:
+        entry.count_abandoned("queued")
         raise ClientGone(f"the client closed its connection: {error}") from None

@@ -40,7 +40,7 @@ from semif_serve.runtime.jobs import STOPPED, Job, RunBatch, Waiter
 from semif_serve.runtime.pace import Pace
 from semif_serve.runtime.selection import BatchLimits, gather_ends, select
 from semif_serve.runtime.specs import ModelSpec
-from semif_serve.runtime.waiting import Deadline, Gone, WaiterGone, deadline_after, wait_until
+from semif_serve.runtime.waiting import Deadline, Gone, deadline_after, wait_until
 
 UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
     "unloaded",
@@ -102,6 +102,13 @@ class ModelScheduler:
         with self._cond:
             return self.pace.ahead(self._queue)
 
+    def call_started(self, tokens: int, requests: int) -> None:
+        """This thread's engine call (a lease's, or a batch's: its `requests` and their
+        `tokens`, 0 when not known) starts now: once the device is its own, so that the model's
+        pace never counts a wait for another model's call."""
+        with self._cond:
+            self.pace.start_call(tokens or requests * self.pace.rate.request_tokens(), requests)
+
     def count_abandoned(self, stage: str, requests: int = 1) -> None:
         """Requests whose callers left: `queued` (never scored) or `scoring` (scored for no one)."""
         with self._cond:
@@ -140,13 +147,10 @@ class ModelScheduler:
             self._admit(waiter)  # a leader gathering its batch stops for it
             self._enter(waiter, lambda: False)
         try:
-            engine = self._ready_engine(load, deadline, gone)
+            return self._ready_engine(load, deadline, gone)
         except BaseException:
             self.release()
             raise
-        with self._cond:
-            self.pace.start_call(waiter.tokens or self.pace.rate.request_tokens(), 1)
-        return engine
 
     def serve(self, job: Job, load: Callable[[ModelScheduler], None], run: RunBatch) -> Any:
         """`job`'s outcome (its `Batched` result, or the exception its request raises), run in
@@ -191,10 +195,8 @@ class ModelScheduler:
                 waiter.gone,
                 f"model {self.spec.id!r}",
             )
-        except BaseException as error:
+        except BaseException:
             self._leave(waiter)
-            if isinstance(error, WaiterGone):
-                self.pace.figures["abandoned_queued"] += 1
             raise
         if served():  # the batch that took it removed it from the queue (and timed its wait)
             return True
@@ -259,7 +261,6 @@ class ModelScheduler:
                     if waiter.job is not None and waiter.job.taken:
                         self.pace.waited(waiter)
                 self._queue = deque(w for w in self._queue if w.job is None or not w.job.taken)
-                self.pace.start_call(sum(job.cost.tokens for job in chosen), len(chosen))
                 return chosen
             finally:
                 self._gathering = False

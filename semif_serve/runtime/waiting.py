@@ -32,8 +32,9 @@ class WouldTimeOut(QueueTimeout):
 
     def __init__(self, ahead_s: float, needed_s: float, timeout_s: float | None):
         super().__init__(
-            f"the queue ahead holds about {ahead_s:.1f} s of work and this request about "
-            f"{needed_s - ahead_s:.1f} s more, over its timeout of {timeout_s:g} s"
+            f"the model's queue holds about {ahead_s:.1f} s of work: with this request's own "
+            f"(about {needed_s:.1f} s in all) it would not be done within its timeout of "
+            f"{timeout_s:g} s"
         )
         self.ahead_s = ahead_s
 
