@@ -19,7 +19,7 @@ from falcon import testing
 from prometheus_client.parser import text_string_to_metric_families
 from runtime_fixtures import Background, Clock, Factory, runtime, spec
 
-from semif_serve.errors import ClientGone, QueueTimedOut, ServerBusy, same_failure
+from semif_serve.errors import ClientGone, InvalidRequest, QueueTimedOut, ServerBusy, same_failure
 from semif_serve.http import create_app
 from semif_serve.http.errors import classify
 from semif_serve.http.resources import patience_of
@@ -28,7 +28,7 @@ from semif_serve.runtime.device import DeviceQueue
 from semif_serve.runtime.pace import WINDOW_CALLS, Pace, Rate, retry_after_s
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.scheduler import ModelScheduler
-from semif_serve.runtime.service import DecisionService
+from semif_serve.runtime.service import DecisionService, _routing
 from semif_serve.runtime.waiting import NEVER, WouldTimeOut, deadline_after
 
 # The timeout of a lease that finds its slot free (it never waits): it only bounds the test's
@@ -487,3 +487,41 @@ def test_a_models_pace_does_not_count_its_wait_for_another_models_call(leaving):
         clock.now += 10.0  # a's call runs 10 s while b waits for the device
     b.result()
     assert rt.entry("b").pace.rate.seconds_for(100) == 1.0  # measured: 11.0
+
+
+# -- the request's deadline: its timeout_s and its client's announced patience ------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "patience", "route"),
+    [
+        ({}, None, (None, None)),
+        ({"timeout_s": 3}, None, (None, 3.0)),
+        ({}, 2.5, (None, 2.5)),
+        ({"timeout_s": 5, "model": "m"}, 2.0, ("m", 2.0)),  # the shorter of the two
+        ({"timeout_s": 1}, 2.0, (None, 1.0)),
+        ({"timeout_s": 86_400}, None, (None, 86_400.0)),
+    ],
+)
+def test_a_requests_deadline_is_the_shorter_of_its_timeout_and_its_clients_patience(
+    body, patience, route
+):
+    assert _routing(body, patience) == route
+    assert all(isinstance(value, float) for value in _routing(body, patience)[1:] if value)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"timeout_s": 0},
+        {"timeout_s": -1},
+        {"timeout_s": 86_401},
+        {"timeout_s": 10**400},
+        {"timeout_s": True},
+        {"timeout_s": "5"},
+        {"model": 7},
+    ],
+)
+def test_a_bad_timeout_or_model_is_refused_whatever_the_patience(body):
+    with pytest.raises(InvalidRequest):
+        _routing(body, 2.0)

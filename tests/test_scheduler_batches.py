@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from fakes import AUTH, WAIT_S, FakeScorer, decision, fake_runtime, row, settings
 from falcon import testing
-from runtime_fixtures import Held, runtime, spec, wait_until, watch_waits
+from runtime_fixtures import Clock, Held, runtime, spec, wait_until, watch_waits
 
 from semif_serve.engine.engine import Engine
 from semif_serve.errors import ClientGone, OutOfMemory, QueueTimedOut, ScoringFailed
@@ -857,3 +857,28 @@ def test_the_engine_is_told_whose_caller_left_while_the_batch_runs_and_it_is_cou
     assert scorer.asked == {"leaving": True, "staying": False}
     [status] = rt.status()
     assert (status["queue"]["abandoned_scoring"], status["queue"]["abandoned_queued"]) == (1, 1)
+
+
+def test_a_batch_is_timed_into_its_models_pace_as_it_runs():
+    """Each batch counts in the model's pace as one call: the tokens and requests it ran, over
+    the seconds from the start of its engine call to its end."""
+    clock = Clock()
+
+    class Timed(BatchScorer):
+        def score_batch(self, items, left=None):
+            clock.now += 2.0  # each batch takes 2 s on the clock
+            return super().score_batch(items)
+
+    scorer = Timed()
+    rt = batching_runtime(scorer, clock=clock)
+    first = busy(rt, scorer)  # 1 row of 1 token
+    waiting = [Submitted(rt, name, length=10) for name in ("b", "c")]
+    jobs_queued(rt, 2)
+    scorer.release.set()
+    first.result()
+    for submitted in waiting:
+        submitted.result()
+    assert scorer.batches == [["first"], ["b", "c"]]
+    rate = rt.entry("a").pace.rate
+    assert rate.seconds_for(21) == pytest.approx(4.0)  # 21 tokens in 4 s
+    assert rate.request_tokens() == pytest.approx(7.0)  # over 3 requests
