@@ -14,11 +14,12 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
-from fakes import AUTH, WAIT_S, row, settings
+from fakes import AUTH, WAIT_S, FakeScorer, row, settings
 from falcon import testing
 from prometheus_client.parser import text_string_to_metric_families
 from runtime_fixtures import Background, Clock, Factory, runtime, spec
 
+from semif_serve.engine.engine import Engine
 from semif_serve.errors import ClientGone, InvalidRequest, QueueTimedOut, ServerBusy, same_failure
 from semif_serve.http import create_app
 from semif_serve.http.errors import classify
@@ -30,6 +31,7 @@ from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.scheduler import ModelScheduler
 from semif_serve.runtime.service import DecisionService, _routing
 from semif_serve.runtime.waiting import NEVER, WouldTimeOut, deadline_after
+from semif_serve.scoring.inputs import Batched
 
 # The timeout of a lease that finds its slot free (it never waits): it only bounds the test's
 # hang if the scheduler breaks. Longer than any estimate here, so never refused for it.
@@ -379,13 +381,32 @@ def test_the_in_flight_limits_429_says_the_runtimes_estimate():
     assert response.headers["retry-after-ms"] == "2500"
 
 
-def test_a_client_whose_announced_timeout_the_queue_would_pass_is_refused_at_once():
+ROUTES = {
+    "/decide": row(),
+    "/decide/shared": {
+        "state": "The door is open.",
+        "decisions": [{key: row()[key] for key in ("id", "question", "options")}],
+    },
+    "/v1/systemone": {
+        "state": "The door is open.",
+        "questions": {"q": {"type": "noul", "instructions": "Is it open?"}},
+    },
+    "/v1/decisions": {
+        "input": "The door is open.",
+        "questions": [{"type": "predicate", "instructions": "Is it open?"}],
+    },
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_client_whose_announced_timeout_the_queue_would_pass_is_refused_at_once(route):
     api, rt = served_app()
     watch = watched(rt.entry("a"))
     scorer = rt.entry("a").engine.scorer
+    body = ROUTES[route]
     with rt.lease("a", HOLD_S, tokens=50):  # 2.5 s of work in progress
         hurried = {**AUTH, "x-stainless-read-timeout": "1"}
-        response = Background(lambda: api.simulate_post("/decide", json=row(), headers=hurried))
+        response = Background(lambda: api.simulate_post(route, json=body, headers=hurried))
         response = response.result()  # refused at once: it never waits for the held slot
         assert response.status_code == 429
         assert (response.headers["Retry-After"], response.headers["retry-after-ms"]) == (
@@ -394,7 +415,7 @@ def test_a_client_whose_announced_timeout_the_queue_would_pass_is_refused_at_onc
         )
         assert scorer.calls == []
         patient = {**AUTH, "x-stainless-read-timeout": "600.0"}
-        queued = Background(lambda: api.simulate_post("/decide", json=row(), headers=patient))
+        queued = Background(lambda: api.simulate_post(route, json=body, headers=patient))
         watch.until(1)
     assert queued.result().status_code == 200
 
@@ -525,3 +546,34 @@ def test_a_requests_deadline_is_the_shorter_of_its_timeout_and_its_clients_patie
 def test_a_bad_timeout_or_model_is_refused_whatever_the_patience(body):
     with pytest.raises(InvalidRequest):
         _routing(body, 2.0)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_served_request_is_timed_into_the_pace_with_the_tokens_it_was_encoded_to(batched):
+    """Through the service: the request's work is its encoded prompt's tokens (7 here), whether
+    it leases the model (batching off) or runs in a batch."""
+    clock = Clock()
+
+    class Encoding(FakeScorer):
+        def prepare(self, row):
+            return SimpleNamespace(prompt=SimpleNamespace(ids=[0] * 7), row=row)
+
+        def score(self, item):
+            clock.now += 2.0
+            return super().score(item.row)
+
+        def score_batch(self, items, left=None):
+            clock.now += 2.0
+            return [Batched(self.result(item.row), len(items), 7) for item in items]
+
+    config = settings(parallel_slots=4, max_batch_rows=4 if batched else 1)
+    rt = runtime(
+        spec("a", load_on_startup=True),
+        factory=lambda model: Engine(Encoding()),
+        clock=clock,
+        max_batch_rows=config.max_batch_rows,
+    )
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
+    rate = rt.entry("a").pace.rate
+    assert (rate.seconds_for(7), rate.request_tokens()) == (2.0, 7.0)
