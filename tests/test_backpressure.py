@@ -218,7 +218,7 @@ def test_a_queued_requests_estimate_is_the_work_ahead_and_a_deadline_it_would_pa
         assert entry._queue[0].estimate_s == pytest.approx(1.0)  # the running call's remainder
         assert entry.estimated_wait() == pytest.approx(200 * 0.05 + 1.0)
         assert entry.status()["queue"]["estimated_wait_s"] == pytest.approx(11.0)
-        for timeout in (5.0, 11.5):  # 11 s ahead, and its own 20 tokens take 1 s more
+        for timeout in (5.0, 10.9):  # 11 s ahead (its own 1 s of work does not count)
             with pytest.raises(WouldTimeOut) as refused:
                 entry.lease(deadline_after(timeout), never_load, tokens=20)
             assert refused.value.ahead_s == pytest.approx(11.0)
@@ -577,3 +577,13 @@ def test_a_served_request_is_timed_into_the_pace_with_the_tokens_it_was_encoded_
     assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
     rate = rt.entry("a").pace.rate
     assert (rate.seconds_for(7), rate.request_tokens()) == (2.0, 7.0)
+
+
+def test_an_idle_model_refuses_no_one_however_slow_its_recent_calls_were():
+    clock = Clock()
+    entry, _ = ready_scheduler(clock)
+    serve_one(entry, clock, tokens=10, seconds=500.0)  # a very slow call
+    entry.lease(deadline_after(1.0), never_load, tokens=10_000)  # admitted: nothing ahead
+    entry.release()
+    queue = entry.status()["queue"]
+    assert (queue["waits"], queue["estimated_waits"], queue["estimated_s"]) == (2, 1, 0.0)

@@ -370,3 +370,7 @@ def test_requests_with_the_same_prompt_are_one_row_of_the_forward_each_with_its_
     assert first["probabilities"] == second["probabilities"]
     assert close(first, score(smollm2, rows[0], max_tokens=MAX_TOKENS))
     assert close(outcomes[2].outcome, score(smollm2, rows[2], max_tokens=MAX_TOKENS))
+
+
+def test_a_tokenizer_that_cannot_render_the_probe_rows_has_no_template():
+    assert TemplatePrefix.of(None, MAX_TOKENS) is None

@@ -103,17 +103,17 @@ class Pace:
         return waiting
 
     def admit(self, waiter: Any, queue: Iterable[Any]) -> None:
-        """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait and
-        its own work would pass its deadline."""
+        """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait
+        would pass its deadline. (A deadline bounds waits, never the request's own scoring: an
+        idle model refuses no one, however slow its recent calls were.)"""
         waiter.queued = self._clock()
         ahead = self.ahead(queue)
         if ahead is None:
             return
         waiter.estimate_s = ahead
-        own = self.rate.seconds_for(waiter.tokens or self.rate.request_tokens()) or 0.0
         remaining = waiter.deadline.remaining()
-        if remaining is not None and ahead + own > remaining:
-            raise WouldTimeOut(ahead, ahead + own, waiter.deadline.timeout_s)
+        if remaining is not None and ahead > remaining:
+            raise WouldTimeOut(ahead, waiter.deadline.timeout_s)
 
     def waited(self, waiter: Any) -> None:
         """A request's wait in the queue ended: its time, against the estimate it was given."""

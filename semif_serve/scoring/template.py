@@ -26,7 +26,7 @@ from typing import Any
 from semif_serve.scoring.cache import cache_bytes, can_share_prefix, working_copy
 from semif_serve.scoring.prefix_cache import Prefill, Reuse
 from semif_serve.scoring.prompt import ChatTokenizer
-from semif_serve.scoring.rows import Option, Row, RowError
+from semif_serve.scoring.rows import Option, Row
 from semif_serve.scoring.shared_prompts import encode_with_prefix
 
 MIN_TOKENS = 8  # a shorter common start is not a template worth a forward of its own
@@ -45,15 +45,16 @@ class TemplatePrefix:
 
     @classmethod
     def of(cls, tokenizer: ChatTokenizer, max_tokens: int) -> TemplatePrefix | None:
-        """The template prefix of prompts from `tokenizer` (None: shorter than MIN_TOKENS, or
-        a chat template that hides where the caller's text starts)."""
+        """The template prefix of prompts from `tokenizer` (None: shorter than MIN_TOKENS, a
+        chat template that hides where the caller's text starts, or a tokenizer that cannot
+        render the probe rows at all)."""
         starts = []
         for state in PROBE_STATES:
             options = tuple(Option(name, text) for name, text in PROBE_OPTIONS)
             row = Row(id="probe", state=state, question="probe", options=options)
             try:
                 _, prefix = encode_with_prefix(tokenizer, row, max_tokens)
-            except RowError:
+            except Exception:  # noqa: BLE001 - no template: every prompt runs as it did before
                 return None
             if prefix is None:
                 return None
