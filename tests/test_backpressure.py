@@ -279,6 +279,10 @@ def test_a_request_whose_timeout_the_queue_would_pass_is_a_429_that_says_the_wai
             with rt.lease("a", timeout_s=5.0, tokens=20):
                 raise AssertionError("refused requests never get the engine")
         assert busy.value.retry_after_s == 12.0
+        assert str(busy.value) == (
+            "the model's queue holds about 12.0 s of work, more than this request's timeout "
+            "of 5 s allows it to wait"
+        )
         status, code, _, headers = classify(busy.value)
         assert (status, code) == (429, "busy")
         assert headers == {"Retry-After": "12", "retry-after-ms": "12000"}
