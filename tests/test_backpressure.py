@@ -591,3 +591,14 @@ def test_an_idle_model_refuses_no_one_however_slow_its_recent_calls_were():
     entry.release()
     queue = entry.status()["queue"]
     assert (queue["waits"], queue["estimated_waits"], queue["estimated_s"]) == (2, 1, 0.0)
+
+
+def test_with_nothing_ahead_even_the_shortest_timeout_is_admitted():
+    """A deadline bounds waits: a request that need not wait is never refused for it (5e-324 s:
+    schemathesis's smallest positive `timeout_s`)."""
+    clock = Clock()
+    entry, _ = ready_scheduler(clock)
+    serve_one(entry, clock, tokens=10, seconds=1.0)
+    assert entry.estimated_wait() == 0.0
+    entry.lease(deadline_after(5e-324), never_load, tokens=10)
+    entry.release()

@@ -104,15 +104,15 @@ class Pace:
 
     def admit(self, waiter: Any, queue: Iterable[Any]) -> None:
         """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait
-        would pass its deadline. (A deadline bounds waits, never the request's own scoring: an
-        idle model refuses no one, however slow its recent calls were.)"""
+        would pass its deadline. A deadline bounds waits, never the request's own scoring: with
+        nothing ahead no one is refused, however short its timeout or slow the recent calls."""
         waiter.queued = self._clock()
         ahead = self.ahead(queue)
         if ahead is None:
             return
         waiter.estimate_s = ahead
         remaining = waiter.deadline.remaining()
-        if remaining is not None and ahead > remaining:
+        if remaining is not None and 0 < ahead and remaining < ahead:
             raise WouldTimeOut(ahead, waiter.deadline.timeout_s)
 
     def waited(self, waiter: Any) -> None:
