@@ -218,7 +218,7 @@ def test_a_queued_requests_estimate_is_the_work_ahead_and_a_deadline_it_would_pa
         assert entry._queue[0].estimate_s == pytest.approx(1.0)  # the running call's remainder
         assert entry.estimated_wait() == pytest.approx(200 * 0.05 + 1.0)
         assert entry.status()["queue"]["estimated_wait_s"] == pytest.approx(11.0)
-        for timeout in (5.0, 10.9):  # 11 s ahead (its own 1 s of work does not count)
+        for timeout in (5.0, 11.5):  # 11 s ahead, and its own 20 tokens take 1 s more
             with pytest.raises(WouldTimeOut) as refused:
                 entry.lease(deadline_after(timeout), never_load, tokens=20)
             assert refused.value.ahead_s == pytest.approx(11.0)
@@ -280,8 +280,8 @@ def test_a_request_whose_timeout_the_queue_would_pass_is_a_429_that_says_the_wai
                 raise AssertionError("refused requests never get the engine")
         assert busy.value.retry_after_s == 12.0
         assert str(busy.value) == (
-            "the model's queue holds about 12.0 s of work, more than this request's timeout "
-            "of 5 s allows it to wait"
+            "the model's queue holds about 12.0 s of work: this request would not be scored "
+            "within its timeout of 5 s"
         )
         status, code, _, headers = classify(busy.value)
         assert (status, code) == (429, "busy")
@@ -602,3 +602,26 @@ def test_with_nothing_ahead_even_the_shortest_timeout_is_admitted():
     assert entry.estimated_wait() == 0.0
     entry.lease(deadline_after(5e-324), never_load, tokens=10)
     entry.release()
+
+
+def test_with_several_slots_the_queue_drains_on_all_of_them_and_the_longest_call_counts():
+    clock = Clock()
+    entry = ModelScheduler(spec("a", slots=2), clock)
+    entry.publish(object(), None)
+    serve_one(entry, clock, tokens=100, seconds=5.0)  # 0.05 s a token
+    running = [(100, 1, clock.now), (40, 1, clock.now)]  # 5 s and 2 s of work, just started
+    entry.pace._running = dict(enumerate(running))
+    queued = [SimpleNamespace(tokens=200, is_request=True)]  # 10 s of work on 2 slots
+    assert entry.pace.ahead(queued, slots=2) == pytest.approx(10.0 / 2 + 5.0)
+    assert entry.pace.ahead(queued) == pytest.approx(10.0 + 5.0)
+
+
+def test_a_leased_request_whose_caller_left_while_it_was_scored_is_counted():
+    rt, _ = measured_runtime()
+    gone = threading.Event()
+    with rt.lease("a", HOLD_S, gone=gone.is_set, tokens=10):
+        gone.set()  # the caller leaves while its call runs
+    with rt.lease("a", HOLD_S, gone=lambda: False, tokens=10):
+        pass
+    queue = rt.entry("a").status()["queue"]
+    assert (queue["abandoned_scoring"], queue["abandoned_queued"]) == (1, 0)

@@ -388,7 +388,9 @@ def test_cost_of_an_encoded_input():
     prompt = SimpleNamespace(ids=[0] * 120)
     assert cost_of(SimpleNamespace(prompt=prompt)) == Cost(1, 120)
     prompts = [SimpleNamespace(ids=[0] * n) for n in (90, 150, 100)]
-    assert cost_of(SimpleNamespace(prompts=prompts)) == Cost(3, 150)
+    shared = cost_of(SimpleNamespace(prompts=prompts, prefix_ids=[0] * 80))
+    assert shared == Cost(3, 150, 80 + 10 + 70 + 20)  # the state once, then each row's own
+    assert (shared.tokens, Cost(3, 150).tokens) == (180, 450)
     assert cost_of([parse_row(row()), parse_row(row())]) == Cost(2, 1)  # a fake's shared rows
     assert cost_of(parse_row(row())) == Cost(1, 1)
 

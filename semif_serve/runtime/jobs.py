@@ -39,6 +39,7 @@ class Job:
     deadline: Deadline = NEVER
     submitted: float = field(default_factory=time.monotonic)  # a batch's wait counts from it
     taken: bool = False  # by a batch (the scheduler sets it, under its lock)
+    left_while_scoring: bool = False  # scored, its caller gone before it was handed the result
     outcome: Any = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -98,12 +99,11 @@ def forwards(jobs: list[Job]) -> list[Any]:
     return list(ran.values())
 
 
-def abandoned(jobs: list[Job], ran: list[Job]) -> tuple[int, int]:
-    """Of a batch's jobs, how many its callers left (before the engine call: dropped unscored;
-    during it: scored for no one), given those the call scored (`run_jobs`)."""
-    scored = {id(job) for job in ran}
-    before = sum(1 for job in jobs if id(job) not in scored and isinstance(job.outcome, ClientGone))
-    during = sum(1 for job in ran if job.gone is not None and job.gone())
+def abandoned(jobs: list[Job]) -> tuple[int, int]:
+    """Of a batch's jobs, how many its callers left before their forward ran (never run) and
+    while it ran (scored for no one)."""
+    before = sum(1 for job in jobs if isinstance(job.outcome, ClientGone))
+    during = sum(1 for job in jobs if job.left_while_scoring)
     return before, during
 
 
@@ -140,6 +140,9 @@ def _scored(engine: Any, jobs: list[Job]) -> None:
 
     outcomes = engine.score_batch([job.item for job in jobs], left=left)
     for job, outcome in zip(jobs, outcomes):
+        # Asked before it is handed the result: once it has it, its request replies and its
+        # caller may close the connection, which is no abandonment.
+        job.left_while_scoring = not isinstance(outcome, ClientGone) and left(job.item)
         job.finish(outcome)
 
 

@@ -89,30 +89,34 @@ class Pace:
         # when it started), measured into the rate when its slot is released.
         self._running: dict[int, tuple[int, int, float]] = {}
 
-    def ahead(self, queue: Iterable[Any]) -> float | None:
+    def ahead(self, queue: Iterable[Any], slots: int = 1) -> float | None:
         """Seconds until the queued requests' work (one not encoded yet counts as the recent
-        mean request) and what is left of each running call are done (None: nothing measured)."""
+        mean request), run on `slots` calls at once, and the longest rest of a running call
+        are done (None: nothing measured)."""
         per_request = self.rate.request_tokens()
         queued = sum(waiter.tokens or per_request for waiter in queue if waiter.is_request)
         waiting = self.rate.seconds_for(queued)
         if waiting is None:
             return None
         now = self._clock()
-        for tokens, _, started in self._running.values():
-            waiting += max(0.0, (self.rate.seconds_for(tokens) or 0.0) - (now - started))
-        return waiting
+        running = [
+            (self.rate.seconds_for(tokens) or 0.0) - (now - started)
+            for tokens, _, started in self._running.values()
+        ]
+        return waiting / slots + max([0.0, *running])
 
-    def admit(self, waiter: Any, queue: Iterable[Any]) -> None:
-        """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait
-        would pass its deadline. A deadline bounds waits, never the request's own scoring: with
-        nothing ahead no one is refused, however short its timeout or slow the recent calls."""
+    def admit(self, waiter: Any, queue: Iterable[Any], slots: int = 1) -> None:
+        """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait and
+        its own work would pass its deadline. With nothing ahead no one is refused, however
+        short its timeout or slow the recent calls: a deadline bounds waits."""
         waiter.queued = self._clock()
-        ahead = self.ahead(queue)
+        ahead = self.ahead(queue, slots)
         if ahead is None:
             return
         waiter.estimate_s = ahead
+        own = self.rate.seconds_for(waiter.tokens or self.rate.request_tokens()) or 0.0
         remaining = waiter.deadline.remaining()
-        if remaining is not None and 0 < ahead and remaining < ahead:
+        if remaining is not None and 0 < ahead and remaining < ahead + own:
             raise WouldTimeOut(ahead, waiter.deadline.timeout_s)
 
     def waited(self, waiter: Any) -> None:

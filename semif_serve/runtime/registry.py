@@ -143,6 +143,8 @@ class Runtime(Reconfiguration, Residency):
                 entry.call_started(tokens, 1)
                 yield engine
             served = True
+            if gone is not None and gone():  # before its reply: it was scored for no one
+                entry.count_abandoned("scoring")
         finally:
             entry.release(served)
 
@@ -158,7 +160,7 @@ class Runtime(Reconfiguration, Residency):
 
         def run(engine: Any, jobs: list[Job]) -> None:
             ran = run_jobs(engine, jobs, self._device, started)
-            before, during = abandoned(jobs, ran)
+            before, during = abandoned(jobs)
             entry.count_abandoned("queued", before)
             entry.count_abandoned("scoring", during)
             try:

@@ -43,11 +43,13 @@ class Cost:
 
     rows: int
     length: int
+    work: int = 0  # the tokens it runs (a shared call: its state once, then each row's own)
 
     @property
     def tokens(self) -> int:
-        """The work it brings: every row at its longest prompt (what `Pace` measures by)."""
-        return self.rows * self.length
+        """The work it brings, what `Pace` measures by: `work`, else every row at its longest
+        prompt."""
+        return self.work or self.rows * self.length
 
 
 def padded_tokens(costs: Sequence[Cost]) -> int:
@@ -90,7 +92,9 @@ def cost_of(item: Any) -> Cost:
     call's prompts); an input the scorer did not encode (a fake's rows) counts its rows."""
     prompts = getattr(item, "prompts", None)
     if prompts is not None:
-        return Cost(len(prompts), max(len(prompt.ids) for prompt in prompts))
+        prefix = len(getattr(item, "prefix_ids", None) or ())
+        work = prefix + sum(len(prompt.ids) - prefix for prompt in prompts)
+        return Cost(len(prompts), max(len(prompt.ids) for prompt in prompts), work)
     prompt = getattr(item, "prompt", None)
     if prompt is not None:
         return Cost(1, len(prompt.ids))

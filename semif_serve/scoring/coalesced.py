@@ -63,20 +63,10 @@ def score_batch(
     gone; the inputs of each forward are looked at just before it runs, and one whose caller
     left is not run (its outcome: `ClientGone`, as the engine's batch call hands it on)."""
     outcomes: list[Any] = [None] * len(inputs)
-
-    def live(indices: list[int]) -> list[int]:
-        kept = []
-        for index in indices:
-            if left is not None and left(inputs[index]):
-                outcomes[index] = ClientGone(LEFT_BEFORE_FORWARD)
-            else:
-                kept.append(index)
-        return kept
-
     plain, by_prefix = [], {}
     for index, item in enumerate(inputs):
         if item.max_tokens != max_tokens or not _mergeable(item, prefix_cache):
-            if live([index]):
+            if _live([index], inputs, left, outcomes):
                 outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
         elif isinstance(item, SharedInput) or item.prefix_ids is None:
             plain.append(index)
@@ -85,13 +75,13 @@ def score_batch(
     for group_key, indices in list(by_prefix.items()):  # (prefix ids, session)
         if len(indices) == 1 and not _cached(inputs[indices[0]], prefix_cache):
             plain += by_prefix.pop(group_key)  # alone over its state, and not worth a lookup
-    plain = live(sorted(plain))
+    plain.sort()
     items = [inputs[index] for index in plain]
-    ran = _plain(scoring_model, items, max_tokens, buckets, prefix_cache, template)
+    ran = _plain(scoring_model, items, max_tokens, buckets, prefix_cache, template, left)
     for index, outcome in zip(plain, ran):
         outcomes[index] = outcome
     for (prefix, session), indices in by_prefix.items():
-        indices = live(indices)
+        indices = _live(indices, inputs, left, outcomes)
         if not indices:
             continue
         group = [inputs[i] for i in indices]
@@ -112,19 +102,28 @@ def _plain(
     buckets: Buckets | None | str,
     prefix_cache: ModelPrefixCache | None,
     template: TemplatePrefix | None,
-) -> list[Batched]:
+    left: Callable[[Input], bool] | None,
+) -> list[Any]:
     """The outcomes of inputs that run as plain prompts: two or more whose prompts begin with
     the template in one forward over it; of the rest, two or more direct rows in one
-    right-padded forward, any other alone (a batch of one is the unbatched call, exactly)."""
-    outcomes: list[Batched | None] = [None] * len(items)
+    right-padded forward, any other alone (a batch of one is the unbatched call, exactly).
+    Before each forward, the inputs whose caller left (`left`) leave it."""
+    outcomes: list[Any] = [None] * len(items)
     over = [i for i, item in enumerate(items) if template and template.starts(_ids(item))]
-    if len(over) < 2:
-        over = []  # one alone is no batch: it runs as the others do
-    else:
+    if len(over) > 1:
+        over = _live(over, items, left, outcomes)
+    if len(over) > 1:
         merged = _over_template(scoring_model, template, [items[i] for i in over], buckets)
         for index, outcome in zip(over, merged):
             outcomes[index] = outcome
-    padded = [i for i, item in enumerate(items) if i not in over and isinstance(item, DirectInput)]
+    else:
+        over = []  # one alone is no batch: it runs as the others do
+    padded = [
+        i
+        for i, item in enumerate(items)
+        if outcomes[i] is None and i not in over and isinstance(item, DirectInput)
+    ]
+    padded = _live(padded, items, left, outcomes) if len(padded) > 1 else padded
     if len(padded) > 1:
         rows = [items[i] for i in padded]
         results, shape = _padded(scoring_model, rows, buckets)
@@ -132,9 +131,22 @@ def _plain(
         for index, result in zip(padded, results):
             outcomes[index] = Batched(result, len(padded), shape[1], ran)
     for index, item in enumerate(items):
-        if outcomes[index] is None:
+        if outcomes[index] is None and _live([index], items, left, outcomes):
             outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
     return outcomes
+
+
+def _live(
+    indices: list[int], items: list[Input], left: Callable[[Input], bool] | None, outcomes: list
+) -> list[int]:
+    """Those of `indices` whose caller is still there; each other's outcome says it left."""
+    kept = []
+    for index in indices:
+        if left is not None and left(items[index]):
+            outcomes[index] = ClientGone(LEFT_BEFORE_FORWARD)
+        else:
+            kept.append(index)
+    return kept
 
 
 def _shared_forward(timing: dict[str, Any], prompts: list[Any]) -> Forward:
@@ -184,13 +196,15 @@ def _over_template(
     forward_seconds = perf_counter() - started
     ran = _shared_forward(timing, distinct)
     timing = {**timing, **reuse_timing(Reuse())}  # the template's reuse is no caller's
+    prefix = timing["prefix_tokens"]
     width = max(len(prompt.ids) for prompt in prompts)
     outcomes = []
     for item, prompt in zip(items, prompts):
         row_logits = logits[rows[tuple(prompt.ids)]]
-        if isinstance(item, SharedInput):
+        if isinstance(item, SharedInput):  # its own row's figures: its prefix is the template
+            own = {**timing, "padded_suffix_tokens": len(prompt.ids) - prefix}
             item_started = started - item.encode_seconds
-            outcome = shared_outcome(scoring_model, item, [row_logits], timing, item_started)
+            outcome = shared_outcome(scoring_model, item, [row_logits], own, item_started)
         else:
             outcome = _direct_result(
                 scoring_model, item, row_logits, forward_seconds, result_reuse(None)
