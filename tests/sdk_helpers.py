@@ -9,6 +9,7 @@ import functools
 import gzip
 import http.client
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -210,3 +211,10 @@ def peak_growth(server: LiveServer, action: Callable[[], Any]) -> tuple[Any, int
     before = _kib(pid, "VmRSS")
     result = action()
     return result, (_kib(pid, "VmHWM") - before) * 1024
+
+
+def retry_headers_agree(headers) -> bool:
+    """Retry-After is the estimate in whole seconds rounded up, retry-after-ms the same wait to
+    the millisecond, both within [1 s, 60 s] (the estimate depends on this server's pace)."""
+    ms = int(headers["retry-after-ms"])
+    return 1000 <= ms <= 60_000 and int(headers["retry-after"]) == math.ceil(ms / 1000)

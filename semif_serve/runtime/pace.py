@@ -106,17 +106,17 @@ class Pace:
         return waiting / slots + max([0.0, *running])
 
     def admit(self, waiter: Any, queue: Iterable[Any], slots: int = 1) -> None:
-        """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait and
-        its own work would pass its deadline. With nothing ahead no one is refused, however
-        short its timeout or slow the recent calls: a deadline bounds waits."""
+        """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait
+        would pass its deadline. A deadline bounds waits, as everywhere in the runtime, never
+        the request's own scoring: with nothing ahead no one is refused, however short its
+        timeout or slow the recent calls."""
         waiter.queued = self._clock()
         ahead = self.ahead(queue, slots)
         if ahead is None:
             return
         waiter.estimate_s = ahead
-        own = self.rate.seconds_for(waiter.tokens or self.rate.request_tokens()) or 0.0
         remaining = waiter.deadline.remaining()
-        if remaining is not None and 0 < ahead and remaining < ahead + own:
+        if remaining is not None and 0 < ahead and remaining < ahead:
             raise WouldTimeOut(ahead, waiter.deadline.timeout_s)
 
     def waited(self, waiter: Any) -> None:

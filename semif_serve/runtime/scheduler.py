@@ -22,8 +22,8 @@ Every wait is bounded by the request's one deadline (`waiting.Deadline`) and end
 caller leaves; a waiter leaves the queue on every path out of its wait, and the waiters behind
 it are woken. No lock here is held while a model loads, runs or is torn down.
 The scheduler also keeps the model's pace (`pace.Pace`, measured on its served engine calls):
-each request's estimated wait as it queues, and a request whose deadline that wait and its own
-work would pass is refused at once (`waiting.WouldTimeOut`) instead of waiting to be abandoned.
+each request's estimated wait as it queues, and a request whose deadline that wait would pass
+is refused at once (`waiting.WouldTimeOut`) instead of waiting to be abandoned.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class ModelScheduler:
 
     def _admit(self, waiter: Waiter) -> None:
         """Queue a request (holding the condition) with its estimated wait, or refuse it at
-        once (`WouldTimeOut`) when that wait and its own work would pass its deadline."""
+        once (`WouldTimeOut`) when that wait would pass its deadline."""
         self.pace.admit(waiter, self._queue, self.spec.slots)
         self._queue.append(waiter)
         self._cond.notify_all()

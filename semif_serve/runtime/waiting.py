@@ -27,13 +27,13 @@ class QueueTimeout(Exception):
 
 
 class WouldTimeOut(QueueTimeout):
-    """Refused as it queued: after the work ahead of it (`ahead_s`, as `pace.Pace` estimates
-    it) it would not be scored before its deadline; it never entered the queue."""
+    """Refused as it queued: the work ahead of it (`ahead_s`, as `pace.Pace` estimates it)
+    would not be done before its deadline; it never entered the queue."""
 
     def __init__(self, ahead_s: float, timeout_s: float | None):
         super().__init__(
-            f"the model's queue holds about {ahead_s:.1f} s of work: this request would not be "
-            f"scored within its timeout of {timeout_s:g} s"
+            f"the model's queue holds about {ahead_s:.1f} s of work, more than this request's "
+            f"timeout of {timeout_s:g} s allows it to wait"
         )
         self.ahead_s = ahead_s
 
