@@ -30,7 +30,7 @@ from semif_serve.runtime.pace import WINDOW_CALLS, Pace, Rate, retry_after_s
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.scheduler import ModelScheduler
 from semif_serve.runtime.service import DecisionService, _routing
-from semif_serve.runtime.waiting import NEVER, WouldTimeOut, deadline_after
+from semif_serve.runtime.waiting import NEVER, WaiterGone, WouldTimeOut, deadline_after
 from semif_serve.scoring.inputs import Batched
 
 # The timeout of a lease that finds its slot free (it never waits): it only bounds the test's
@@ -604,7 +604,9 @@ def test_with_nothing_ahead_even_the_shortest_timeout_is_admitted():
     entry.release()
 
 
-def test_with_several_slots_the_queue_drains_on_all_of_them_and_the_longest_call_counts():
+def test_with_several_slots_the_queue_drains_on_all_of_them_and_the_longest_call_counts(
+    leaving,
+):
     clock = Clock()
     entry = ModelScheduler(spec("a", slots=2), clock)
     entry.publish(object(), None)
@@ -614,6 +616,17 @@ def test_with_several_slots_the_queue_drains_on_all_of_them_and_the_longest_call
     queued = [SimpleNamespace(tokens=200, is_request=True)]  # 10 s of work on 2 slots
     assert entry.pace.ahead(queued, slots=2) == pytest.approx(10.0 / 2 + 5.0)
     assert entry.pace.ahead(queued) == pytest.approx(10.0 + 5.0)
+    entry._queue.append(queued[0])  # the scheduler counts its own slots
+    assert entry.estimated_wait() == pytest.approx(10.0)
+    assert entry.status()["queue"]["estimated_wait_s"] == pytest.approx(10.0)
+    with pytest.raises(WouldTimeOut):  # 10 s ahead on 2 slots: a 9 s deadline is refused...
+        entry.lease(deadline_after(9.0), never_load, tokens=10)
+    watch = watched(entry)
+    admitted = lease_and_leave(entry, deadline_after(12.0), 10, leaving.is_set)
+    watch.until(2)  # ...a 12 s one queues (15 s on one slot would be refused)
+    leaving.set()
+    with pytest.raises(WaiterGone):
+        admitted.result()
 
 
 def test_a_leased_request_whose_caller_left_while_it_was_scored_is_counted():
