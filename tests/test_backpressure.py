@@ -169,7 +169,7 @@ def test_a_request_not_encoded_yet_counts_as_the_mean_request_and_managers_count
         SimpleNamespace(tokens=10, is_request=True),
         SimpleNamespace(tokens=0, is_request=False),
     ]
-    assert pace.ahead(queue) == pytest.approx((50 + 10) * 0.05)
+    assert pace.ahead(queue, 1) == pytest.approx((50 + 10) * 0.05)
 
 
 # -- 2. Retry-After ----------------------------------------------------------------------------
@@ -548,8 +548,14 @@ def test_a_requests_deadline_is_the_shorter_of_its_timeout_and_its_clients_patie
     ],
 )
 def test_a_bad_timeout_or_model_is_refused_whatever_the_patience(body):
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest) as refused:
         _routing(body, 2.0)
+    field = "model" if "model" in body else "timeout_s"
+    expected = {
+        "model": "model: must be a model id string",
+        "timeout_s": "timeout_s: must be a number of seconds, 0 < timeout_s <= 86400",
+    }
+    assert str(refused.value) == expected[field]
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -615,7 +621,7 @@ def test_with_several_slots_the_queue_drains_on_all_of_them_and_the_longest_call
     entry.pace._running = dict(enumerate(running))
     queued = [SimpleNamespace(tokens=200, is_request=True)]  # 10 s of work on 2 slots
     assert entry.pace.ahead(queued, slots=2) == pytest.approx(10.0 / 2 + 5.0)
-    assert entry.pace.ahead(queued) == pytest.approx(10.0 + 5.0)
+    assert entry.pace.ahead(queued, 1) == pytest.approx(10.0 + 5.0)
     entry._queue.append(queued[0])  # the scheduler counts its own slots
     assert entry.estimated_wait() == pytest.approx(10.0)
     assert entry.status()["queue"]["estimated_wait_s"] == pytest.approx(10.0)
@@ -638,3 +644,91 @@ def test_a_leased_request_whose_caller_left_while_it_was_scored_is_counted():
         pass
     queue = rt.entry("a").status()["queue"]
     assert (queue["abandoned_scoring"], queue["abandoned_queued"]) == (1, 0)
+
+
+def test_a_call_released_without_saying_it_was_served_counts_nothing():
+    clock = Clock()
+    entry, _ = ready_scheduler(clock)
+    serve_one(entry, clock, tokens=10, seconds=1.0)
+    entry.lease(deadline_after(HOLD_S), never_load)
+    entry.call_started(10, 1)
+    clock.now += 50.0
+    entry.release()  # not said to be served: a failed or dropped call
+    assert entry.pace.rate.seconds_for(10) == 1.0
+
+
+def test_a_lease_of_unknown_size_counts_as_the_mean_request(leaving):
+    clock = Clock()
+    entry, watch = ready_scheduler(clock)
+    serve_one(entry, clock, tokens=100, seconds=5.0)  # the mean request: 100 tokens, 5 s
+    with holding(entry, tokens=0):  # its own size unknown too: the mean's 5 s, just started
+        unknown = Background(lambda: entry.lease(NEVER, never_load, leaving.is_set))
+        watch.until(1)
+        assert entry.estimated_wait() == pytest.approx(5.0 + 5.0)
+        leaving.set()
+        with pytest.raises(WaiterGone):
+            unknown.result()
+
+
+def test_two_small_waits_and_their_estimates_add_up():
+    clock = Clock()
+    entry, watch = ready_scheduler(clock)
+    serve_one(entry, clock, tokens=100, seconds=5.0)  # 0.05 s a token
+    for waited in (1.0, 2.0):
+        with holding(entry, tokens=40):  # 2 s of work ahead of the next
+            waiter = lease_and_leave(entry, NEVER, 20, lambda: False)
+            watch.until(1)
+            clock.now += waited
+        assert waiter.result()
+    queue = entry.status()["queue"]
+    assert (queue["waited_s"], queue["estimated_s"], queue["estimated_waited_s"]) == (
+        pytest.approx(3.0),
+        pytest.approx(4.0),
+        pytest.approx(3.0),
+    )
+
+
+def test_a_refusal_for_less_than_a_second_of_work_ahead():
+    clock = Clock()
+    entry, _ = ready_scheduler(clock)
+    serve_one(entry, clock, tokens=100, seconds=5.0)
+    with holding(entry, tokens=10):  # 0.5 s of work ahead
+        with pytest.raises(WouldTimeOut):
+            entry.lease(deadline_after(0.3), never_load, tokens=10)
+
+
+def test_the_wait_a_refusal_says_is_the_models_or_every_models_on_a_shared_device():
+    alone = runtime(spec("a"), spec("b"))
+    assert alone._wait_for(alone.entry("a")) == alone.entry("a").estimated_wait
+    shared, _ = shared_device_runtime()
+    assert shared._wait_for(shared.entry("a")) == shared.estimated_wait
+
+
+def test_an_in_flight_limit_without_an_estimate_says_none():
+    limit = InFlightLimit(1)
+    limit.acquire()
+    with pytest.raises(ServerBusy) as busy:
+        limit.acquire()
+    assert busy.value.retry_after_s is None
+
+
+def test_a_request_of_unknown_size_before_any_mean_counts_nothing():
+    """A request that found its model unloaded is encoded only once it holds it: its size is
+    unknown as it queues, and with no mean request yet its call tells the pace nothing."""
+    clock = Clock()
+
+    class Timed(FakeScorer):
+        def score(self, row):
+            clock.now += 2.0
+            return super().score(row)
+
+    config = settings(parallel_slots=4, max_batch_rows=1)
+    rt = runtime(
+        spec("a"),
+        factory=lambda model: Engine(Timed()),
+        clock=clock,
+        max_batch_rows=1,
+    )
+    api = testing.TestClient(create_app(DecisionService(rt, config), config))
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
+    assert rt.entry("a").pace.rate.seconds_for(1) is None

@@ -585,6 +585,7 @@ def test_a_caller_who_left_once_its_job_was_taken_is_dropped_with_its_own_messag
     assert str(outcome) == "the client closed its connection before its request was scored"
     assert staying.result().outcome["id"] == "staying"
     assert scorer.batches == [["first"], ["staying"]]
+    assert rt.entry("a").status()["queue"]["abandoned_queued"] == 1
 
 
 def test_a_job_that_cannot_be_encoded_again_fails_alone():
@@ -884,3 +885,18 @@ def test_a_batch_is_timed_into_its_models_pace_as_it_runs():
     rate = rt.entry("a").pace.rate
     assert rate.seconds_for(21) == pytest.approx(4.0)  # 21 tokens in 4 s
     assert rate.request_tokens() == pytest.approx(7.0)  # over 3 requests
+
+
+def test_a_queued_batched_request_counts_its_own_work_in_the_estimate():
+    clock = Clock()
+    scorer = BatchScorer()
+    rt = batching_runtime(scorer, clock=clock)
+    entry = rt.entry("a")
+    entry.pace.rate.record(100, 1, 5.0)  # 0.05 s a token; the mean request 100 tokens
+    first = busy(rt, scorer)  # 1 token running, just started: 0.05 s left
+    waiting = Submitted(rt, "b", length=40)
+    jobs_queued(rt, 1)
+    assert entry.estimated_wait() == pytest.approx(40 * 0.05 + 0.05)
+    scorer.release.set()
+    first.result()
+    waiting.result()

@@ -89,7 +89,7 @@ class Pace:
         # when it started), measured into the rate when its slot is released.
         self._running: dict[int, tuple[int, int, float]] = {}
 
-    def ahead(self, queue: Iterable[Any], slots: int = 1) -> float | None:
+    def ahead(self, queue: Iterable[Any], slots: int) -> float | None:
         """Seconds until the queued requests' work (one not encoded yet counts as the recent
         mean request), run on `slots` calls at once, and the longest rest of a running call
         are done (None: nothing measured)."""
@@ -105,7 +105,7 @@ class Pace:
         ]
         return waiting / slots + max([0.0, *running])
 
-    def admit(self, waiter: Any, queue: Iterable[Any], slots: int = 1) -> None:
+    def admit(self, waiter: Any, queue: Iterable[Any], slots: int) -> None:
         """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait
         would pass its deadline. A deadline bounds waits, as everywhere in the runtime, never
         the request's own scoring: with nothing ahead no one is refused, however short its
