@@ -732,3 +732,12 @@ def test_a_request_of_unknown_size_before_any_mean_counts_nothing():
     api = testing.TestClient(create_app(DecisionService(rt, config), config))
     assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
     assert rt.entry("a").pace.rate.seconds_for(1) is None
+
+
+def test_the_queue_figures_count_in_integers_and_time_in_seconds():
+    figures = ModelScheduler(spec("a"), Clock()).status()["queue"]
+    counts = {name: value for name, value in figures.items() if not name.endswith("_s")}
+    seconds = {name: value for name, value in figures.items() if name.endswith("_s")}
+    assert all(type(value) is int for value in counts.values()), counts
+    assert seconds.pop("estimated_wait_s") is None
+    assert all(type(value) is float for value in seconds.values()), seconds

@@ -93,17 +93,16 @@ class Pace:
         """Seconds until the queued requests' work (one not encoded yet counts as the recent
         mean request), run on `slots` calls at once, and the longest rest of a running call
         are done (None: nothing measured)."""
+        per_token = self.rate.seconds_for(1)
+        if per_token is None:
+            return None
         per_request = self.rate.request_tokens()
         queued = sum(waiter.tokens or per_request for waiter in queue if waiter.is_request)
-        waiting = self.rate.seconds_for(queued)
-        if waiting is None:
-            return None
         now = self._clock()
         running = [
-            (self.rate.seconds_for(tokens) or 0.0) - (now - started)
-            for tokens, _, started in self._running.values()
+            tokens * per_token - (now - started) for tokens, _, started in self._running.values()
         ]
-        return waiting / slots + max([0.0, *running])
+        return queued * per_token / slots + max([0.0, *running])
 
     def admit(self, waiter: Any, queue: Iterable[Any], slots: int) -> None:
         """Give a request about to queue its estimated wait; `WouldTimeOut` when that wait
