@@ -10,6 +10,8 @@ import math
 import os
 import threading
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from semif_serve.config import Settings
 from semif_serve.engine.engine import Engine
 from semif_serve.http import create_app
@@ -152,3 +154,15 @@ def decision(id, options=("Yes", "No"), **extra):
     body = row(id, options, **extra)
     del body["state"]
     return body
+
+
+def scrape(api):
+    """GET /metrics (no token needed) as {(sample name, sorted labels): value}."""
+    response = api.simulate_get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples

@@ -14,9 +14,8 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
-from fakes import AUTH, WAIT_S, FakeScorer, row, settings
+from fakes import AUTH, WAIT_S, FakeScorer, row, scrape, settings
 from falcon import testing
-from prometheus_client.parser import text_string_to_metric_families
 from runtime_fixtures import Background, Clock, Factory, runtime, spec
 
 from semif_serve.engine.engine import Engine
@@ -422,14 +421,6 @@ def test_a_client_whose_announced_timeout_the_queue_would_pass_is_refused_at_onc
         queued = Background(lambda: api.simulate_post(route, json=body, headers=patient))
         watch.until(1)
     assert queued.result().status_code == 200
-
-
-def scrape(api):
-    samples = {}
-    for family in text_string_to_metric_families(api.simulate_get("/metrics").text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def test_metrics_export_each_models_queue_figures_and_estimate(leaving):

@@ -1,24 +1,12 @@
 """GET /metrics: Prometheus text with requests, rejections, latency and model lifecycle."""
 
-from fakes import AUTH, row, settings
+from fakes import AUTH, row, scrape, settings
 from falcon import testing
-from prometheus_client.parser import text_string_to_metric_families
 from runtime_fixtures import Factory, spec
 
 from semif_serve.http import create_app
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService
-
-
-def scrape(api):
-    response = api.simulate_get("/metrics")  # no token needed
-    assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def test_requests_rejections_model_states_and_events_are_exported():
