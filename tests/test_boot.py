@@ -149,7 +149,8 @@ def test_an_injected_oom_on_the_real_cpu_engine_is_503_and_the_next_request_succ
     )
     runtime.start(idle_interval_s=None)
     api = testing.TestClient(create_app(DecisionService(runtime, config), config))
-    real_forward = smollm2.model.forward
+    decoder = smollm2.model.get_decoder()  # what every scoring path calls
+    real_forward = decoder.forward
     calls = []
 
     def forward_once_oom(*args, **kwargs):
@@ -158,7 +159,7 @@ def test_an_injected_oom_on_the_real_cpu_engine_is_503_and_the_next_request_succ
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(smollm2.model, "forward", forward_once_oom)
+    monkeypatch.setattr(decoder, "forward", forward_once_oom)
     failed = api.simulate_post("/decide", json=row(), headers=AUTH)
     assert failed.status_code == 503 and failed.json["error"]["code"] == "out_of_memory"
     assert "Tried to allocate" in failed.json["error"]["message"]

@@ -1,11 +1,11 @@
-"""Issue 30, "exact on every path": whichever path scores a row, it gets the logits the model's
-own forward gives it, post-processing included (Cohere's `logit_scale`, Granite's
-`logits_scaling`, Gemma2's `final_logit_softcapping`), so a result never depends on who else was
-queued or on a cache hit; a model whose forward post-processes its logits in a way the scorers
-do not reproduce is refused when it is wrapped.
+"""Issues 30 and 44, "exact on every path": whichever path scores a row, it gets the bits the
+direct scorer gives it alone, in float32 and in bfloat16 (`scoring.invariant`), so a result
+never depends on who else was queued or on a cache hit; the head reproduces the model's own
+post-processing (Cohere's `logit_scale`, Granite's `logits_scaling`, Gemma2's
+`final_logit_softcapping`), and a model whose forward post-processes its logits in a way the
+scorers do not reproduce is refused when it is wrapped.
 
-The reference is the direct scorer on one row (`scoring.score`, no cache), which calls the whole
-model. Every other path reads the decoder's hidden states and applies the head itself:
+The reference is the direct scorer on one row (`scoring.score`, no cache). The paths:
 - `batched-padded`: plain rows of different lengths in one right-padded forward (`score_batch`);
 - `batched-over-state`: rows over one state in one batch, sharing one prefill (`score_batch`);
 - `shared`: a `/decide/shared` call (`score_shared`): packed for attention-only models, the
@@ -13,8 +13,16 @@ model. Every other path reads the decoder's hidden states and applies the head i
 - `packed`: `packed.forward_packed` itself (attention-only models, the only ones it serves);
 - `cached-hit`: the direct scorer resuming a stored prefill of the row's state prefix;
 - `batched-over-template`: distinct requests (direct rows and one-row shared calls) in one
-  forward over the model's kept template prefix (`scoring.template`).
-Tiny random models, fp32 on the CPU; logits and probabilities within 1e-5. Then the head itself
+  forward over the model's kept template prefix (`scoring.template`);
+- `among-15-strangers`: plain rows, the checked ones first and last of 16 of other lengths;
+- `grown-state`: rows over a state that grew by two events, resuming the stored prefill of its
+  earlier version.
+Tiny random models on the CPU, in both dtypes: bit-identical logits and probabilities, but for
+two exceptions at a tolerance. `packed` (one row holds every suffix, so a suffix's keys are not
+where its direct prompt has them) is what CUDA models run; the CPU's invariant numerics use the
+prefix-joining attention instead, so it is checked in float32 within 1e-5. Qwen3.5's linear
+attention layers run transformers' reference kernels (chunked delta rule, causal conv1d),
+which are not batch-invariant: within 1e-5 (float32) and 1e-3 (bfloat16). Then the head itself
 against the whole model for every class it accepts, and the refusal of any other.
 """
 
@@ -34,11 +42,19 @@ from tiny_models import (
     tiny_gemma2,
     tiny_granite,
     tiny_llama,
+    tiny_qwen35,
 )
 from transformers import LlamaForCausalLM
 
 from semif_serve.engine.loading import ModelLoadError, load_model
-from semif_serve.scoring import ModelInfo, ScoringModel, parse_row, score, score_shared
+from semif_serve.scoring import (
+    ModelInfo,
+    ScoringModel,
+    invariant,
+    parse_row,
+    score,
+    score_shared,
+)
 from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.head import (
     POST_PROCESSING,
@@ -54,8 +70,11 @@ from semif_serve.scoring.shared import is_pure_attention
 from semif_serve.scoring.template import TemplatePrefix
 
 TOLERANCE = 1e-5
+# Qwen3.5's linear-attention layers are not batch-invariant (module docstring).
+NOT_INVARIANT = {"float32": 1e-5, "bfloat16": 1e-3}
 MAX_TOKENS = 4096
 INFO = ModelInfo(source="test:exact-paths", revision="seed-0", dtype="float32", device="cpu")
+DTYPES = ["float32", "bfloat16"]
 
 # Byte-tokenizer models; "qwen3.5" is conftest's tiny hybrid Qwen3.5 on its real tokenizer.
 BYTE_MODELS = {
@@ -102,6 +121,7 @@ def shared(model: ScoringModel) -> list:
 
 
 def packed(model: ScoringModel) -> list:
+    """`forward_packed` on the stock kernels, as CUDA runs it (`scoring_model`)."""
     rows = rows_over(state(9, 4), 3, "packed")
     encoded = shared_input(model.tokenizer, rows, MAX_TOKENS)
     logits, _ = forward_packed(model.model, encoded.prefix_ids, encoded.prompts, None, None)
@@ -146,6 +166,27 @@ def batched_over_template(model: ScoringModel) -> list:
     return list(zip(rows, results))
 
 
+def among_strangers(model: ScoringModel) -> list:
+    """16 plain rows over states of 16 lengths in one padded forward; the first and last checked."""
+    rows = [rows_over(state(40 + index, index), 1, f"crowd{index}")[0] for index in range(16)]
+    inputs = [direct_input(model.tokenizer, row, MAX_TOKENS, with_prefix=False) for row in rows]
+    outcomes = score_batch(model, inputs, max_tokens=MAX_TOKENS)
+    assert [outcome.rows for outcome in outcomes] == [16] * 16
+    return [(rows[index], outcomes[index].outcome) for index in (0, 15)]
+
+
+def grown_state(model: ScoringModel) -> list:
+    """A state that grew by two events: its rows resume the earlier version's stored prefill."""
+    view = PrefixCache(1 << 30, min_tokens=16, checkpoint_tokens=32).for_model(("grown", id(model)))
+    events = [f"[{n:02d}] the printer on floor {n} jammed during job {n * 7}" for n in range(6)]
+    score_shared(model, rows_over({"log": "\n".join(events[:4])}, 1, "g"), max_tokens=MAX_TOKENS,
+                 prefix_cache=view)  # fmt: skip
+    rows = rows_over({"log": "\n".join(events)}, 2, "grown")
+    results, timing = score_shared(model, rows, max_tokens=MAX_TOKENS, prefix_cache=view)
+    assert timing["cached_tokens"] > 0 or type(model.model).__name__ == "Gemma2ForCausalLM"
+    return list(zip(rows, results))
+
+
 def _probabilities(letter_logits: torch.Tensor) -> list[float]:
     return letter_probabilities(letter_logits).tolist()
 
@@ -157,44 +198,74 @@ PATHS = {
     "packed": packed,
     "cached-hit": cached_hit,
     "batched-over-template": batched_over_template,
+    "among-15-strangers": among_strangers,
+    "grown-state": grown_state,
 }
 # Paths a model never takes: packing needs attention-only layers (Qwen3.5 has linear attention,
 # Gemma2 sliding windows), and a prefill is stored only when its cache can be shared
 # (Gemma2's sliding-window layers cannot: its rows always prefill).
 NOT_TAKEN = {("qwen3.5", "packed"), ("gemma2", "packed"), ("gemma2", "cached-hit")}
 CASES = [
-    pytest.param(name, path, id=f"{name}-{path}")
+    pytest.param(name, path, dtype, id=f"{name}-{path}-{dtype}")
     for name in MODELS
     for path in PATHS
-    if (name, path) not in NOT_TAKEN
+    for dtype in DTYPES
+    if (name, path) not in NOT_TAKEN and (path, dtype) != ("packed", "bfloat16")
 ]
 
 
+def _tolerance(model_name: str, path: str, dtype: str) -> float:
+    """0 (bit-identical) but for the exceptions the module docstring names."""
+    if model_name == "qwen3.5":
+        return NOT_INVARIANT[dtype]
+    return TOLERANCE if path == "packed" else 0.0
+
+
 @pytest.fixture(scope="module")
-def byte_models() -> dict[str, ScoringModel]:
+def byte_models() -> dict[tuple[str, str], ScoringModel]:
+    """Per (name, dtype); (name, "stock"): float32 on the stock kernels, what `packed` runs on."""
     tokenizer = byte_tokenizer()
-    return {name: ScoringModel(build(), tokenizer, INFO) for name, build in BYTE_MODELS.items()}
+    models = {
+        (name, dtype): ScoringModel(build().to(getattr(torch, dtype)), tokenizer, INFO)
+        for name, build in BYTE_MODELS.items()
+        for dtype in DTYPES
+    }
+    stock = {(name, "stock"): ScoringModel(build(), tokenizer, INFO, invariant=False)
+             for name, build in BYTE_MODELS.items()}  # fmt: skip
+    return models | stock
+
+
+@pytest.fixture(scope="module")
+def qwen_bfloat16(qwen_tokenizer) -> ScoringModel:
+    return ScoringModel(tiny_qwen35().to(torch.bfloat16), qwen_tokenizer, INFO)
 
 
 @pytest.fixture
-def scoring_model(request, byte_models, model_name) -> ScoringModel:
-    return (
-        request.getfixturevalue("tiny_qwen") if model_name == "qwen3.5" else byte_models[model_name]
-    )
+def scoring_model(request, byte_models, model_name, path, dtype) -> ScoringModel:
+    if model_name == "qwen3.5":
+        return request.getfixturevalue("tiny_qwen" if dtype == "float32" else "qwen_bfloat16")
+    return byte_models[(model_name, "stock" if path == "packed" else dtype)]
 
 
-@pytest.mark.parametrize(("model_name", "path"), CASES)
-def test_every_path_gives_what_the_whole_model_gives_one_row_alone(scoring_model, path):
+@pytest.mark.parametrize(("model_name", "path", "dtype"), CASES)
+def test_every_path_gives_a_row_the_bits_it_gets_alone(scoring_model, model_name, path, dtype):
+    assert scoring_model.model.dtype == getattr(torch, dtype)
+    assert invariant.installed(scoring_model.model) is (path != "packed")
+    tolerance = _tolerance(model_name, path, dtype)
     for row, result in PATHS[path](scoring_model):
         alone = score(scoring_model, row, max_tokens=MAX_TOKENS)
-        assert result["option_logits"] == pytest.approx(alone["option_logits"], abs=TOLERANCE)
-        assert result["probabilities"] == pytest.approx(alone["probabilities"], abs=TOLERANCE)
+        if tolerance == 0.0:
+            assert result["option_logits"] == alone["option_logits"]
+            assert result["probabilities"] == alone["probabilities"]
+            continue
+        assert result["option_logits"] == pytest.approx(alone["option_logits"], abs=tolerance)
+        assert result["probabilities"] == pytest.approx(alone["probabilities"], abs=tolerance)
 
 
 def test_the_paths_a_model_never_takes_are_the_ones_left_out(byte_models, tiny_qwen):
     """NOT_TAKEN is what the scorers do, not a convenience: packing is for attention-only models,
     and the prefix cache stores no Gemma2 prefill."""
-    models = {**byte_models, "qwen3.5": tiny_qwen}
+    models = {name: byte_models[(name, "float32")] for name in BYTE_MODELS} | {"qwen3.5": tiny_qwen}
     packable = {name for name, model in models.items() if is_pure_attention(model.model)}
     assert packable == {"llama", "cohere", "granite"}
     cache = PrefixCache(1 << 30, min_tokens=16).for_model(("exact-paths", "gemma2"))

@@ -31,7 +31,7 @@ def fresh_qwen(qwen_tokenizer, **config) -> ScoringModel:
     model = tiny_qwen35(seed=3)
     for key, value in config.items():
         setattr(model.config, key, value)
-    return ScoringModel(model=model, tokenizer=qwen_tokenizer, info=INFO)
+    return ScoringModel(model=model, tokenizer=qwen_tokenizer, info=INFO, invariant=False)
 
 
 def direct_logits(scoring_model, row):
@@ -141,7 +141,7 @@ def test_a_model_on_another_attention_kernel_replicates_and_stays_exact(
 @pytest.mark.parametrize("chunk_tokens", [1, 40, 10**6])
 def test_packed_chunks_of_any_size_stay_exact(monkeypatch, chunk_tokens):
     monkeypatch.setattr(packed_module, "PACKED_CHUNK_TOKENS", chunk_tokens)
-    model = ScoringModel(model=tiny_llama(), tokenizer=byte_tokenizer(), info=INFO)
+    model = ScoringModel(tiny_llama(), byte_tokenizer(), INFO, invariant=False)  # packs, as CUDA
     _, _, timing = assert_shared_matches_direct(model, make_rows(6, [2, 7, 3]), tolerance=1e-5)
     assert timing["padded_suffix_tokens"] == timing["true_suffix_tokens"]
 

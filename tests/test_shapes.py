@@ -8,7 +8,7 @@ from rows_factory import make_rows
 from tiny_models import byte_tokenizer, tiny_llama
 
 from semif_serve.scoring import ModelInfo, ScoringModel, score, score_shared
-from semif_serve.scoring.direct import last_logits
+from semif_serve.scoring.direct import last_hidden
 from semif_serve.scoring.prompt import EncodedPrompt
 from semif_serve.scoring.shapes import AUTO, DEFAULT, Buckets, resolve
 from semif_serve.scoring.shared import forward
@@ -92,8 +92,8 @@ def test_a_right_padded_direct_forward_gives_the_unpadded_logits(model, buckets)
     with torch.inference_mode():
         for length in edges:
             prompt = ids(length, seed=length)
-            plain = last_logits(model.model, prompt, None)
-            padded = last_logits(model.model, prompt, buckets)
+            plain = last_hidden(model.model, prompt, None)
+            padded = last_hidden(model.model, prompt, buckets)
             assert buckets.length(length) >= length
             assert max_difference([plain], [padded]) <= TOLERANCE, length
 
@@ -102,8 +102,8 @@ def test_a_direct_forward_past_1024_tokens_pads_to_the_coarser_step(tiny_qwen):
     with torch.inference_mode():
         for length in (1024, 1025):
             prompt = ids(length, seed=length)
-            plain = last_logits(tiny_qwen.model, prompt, None)
-            assert max_difference([plain], [last_logits(tiny_qwen.model, prompt, DEFAULT)]) <= (
+            plain = last_hidden(tiny_qwen.model, prompt, None)
+            assert max_difference([plain], [last_hidden(tiny_qwen.model, prompt, DEFAULT)]) <= (
                 TOLERANCE
             )
     assert (DEFAULT.length(1024), DEFAULT.length(1025)) == (1024, 1152)
@@ -189,14 +189,13 @@ def test_bucketed_shared_equals_unbucketed_shared(model):
     assert timing["true_suffix_tokens"] == plain_timing["true_suffix_tokens"] + 21 * moved
 
 
-def test_the_cpu_default_pads_nothing(model):
+def test_the_cpu_default_pads_suffixes_to_the_longest_only(model):
+    """No buckets on the CPU; its invariant numerics never pack (each row's keys where its
+    direct prompt has them), so the suffixes are right-padded to the longest, as a hybrid's."""
     rows = make_rows(3, [2, 5])
-    _, timing = score_shared(model, rows, max_tokens=4096)
-    if model.model.config.model_type == "llama":
-        assert timing["padded_suffix_tokens"] == timing["true_suffix_tokens"]
-    else:
-        longest = max(r["input_tokens"] for r in score_shared(model, rows, max_tokens=4096)[0])
-        assert timing["padded_suffix_tokens"] == 3 * (longest - timing["prefix_tokens"])
+    results, timing = score_shared(model, rows, max_tokens=4096)
+    longest = max(result["input_tokens"] for result in results)
+    assert timing["padded_suffix_tokens"] == 3 * (longest - timing["prefix_tokens"])
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from semif_serve.engine import builtin, snapshot_manifest
+from semif_serve.scoring import invariant
 from semif_serve.scoring.head import UnsupportedModel
 from semif_serve.scoring.model import ModelInfo, ScoringModel
 from semif_serve.scoring.prefix_attention import ATTENTION_NAME as PREFIX_ATTENTION
@@ -75,6 +76,7 @@ def load_model(
     check_files_unchanged(source, located, before)
     model.to(device)
     model.eval()
+    invariant.install(model)  # before `info` names its attention (ScoringModel would, after)
     info = ModelInfo(
         source=source,
         revision=located.revision,
@@ -90,7 +92,7 @@ def load_model(
 
 def attention_implementation(model: Any) -> str:
     """The attention implementation `model` runs, as SemIf reports it: its config's
-    `_attn_implementation` ("sdpa", "eager", ...)."""
+    `_attn_implementation` ("sdpa", "eager", ..., "semif_invariant" on the CPU)."""
     name = model.config._attn_implementation
     # The shared scorer switches an SDPA model to our "semif_prefix_sdpa" wrapper
     # (prefix_attention.py). That wrapper is stock SDPA outside a shared call and runs the same

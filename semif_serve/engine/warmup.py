@@ -185,7 +185,7 @@ def _run(report: WarmUpReport, lock: Any, name: str, call) -> bool:
 
 def _direct(model: Any, length: int, buckets: Buckets) -> None:
     with torch.inference_mode():
-        direct.last_logits(model, [PAD_TOKEN_ID] * length, buckets)
+        direct.last_hidden(model, [PAD_TOKEN_ID] * length, buckets)
 
 
 def _shared(model: Any, prefix: int, rows: int, length: int, buckets: Buckets) -> None:

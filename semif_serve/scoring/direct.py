@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from semif_serve.scoring import shared
+from semif_serve.scoring import head, shared
 from semif_serve.scoring.inputs import DirectInput, direct_input
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.prefill import result_reuse
@@ -51,10 +51,9 @@ def score(
         logits, timing = shared.forward(model, prefix_ids, [prompt], buckets, cache)
         letter_logits, reuse = logits[0], result_reuse(timing)
     else:
-        letter_ids = torch.tensor(prompt.letter_token_ids, dtype=torch.long, device=model.device)
         with torch.inference_mode():
-            logits = last_logits(model, prompt.ids, buckets)
-            letter_logits = logits.float().index_select(0, letter_ids).cpu()
+            hidden = last_hidden(model, prompt.ids, buckets)
+            letter_logits = head.letter_logits(model, hidden[None], [prompt])[0]
         reuse = result_reuse(None)
     forward_seconds = perf_counter() - forward_started
 
@@ -77,14 +76,13 @@ def _row(row: Row | dict | DirectInput) -> Row | dict:
     return row.row if isinstance(row, DirectInput) else row
 
 
-def last_logits(model: Any, ids: list[int], buckets: Buckets | None) -> torch.Tensor:
-    """The logits (vocab,) after the last of `ids`: one uncached forward of shape (1, length),
-    `length` = len(ids), or its bucket with right padding (call inside inference_mode)."""
-    if buckets is None:
-        input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
-        return model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits[0, -1]
-    input_ids = torch.full((1, buckets.length(len(ids))), PAD_TOKEN_ID, dtype=torch.long)
+def last_hidden(model: Any, ids: list[int], buckets: Buckets | None) -> torch.Tensor:
+    """The decoder's hidden state (hidden_size,) at the last of `ids`: one uncached forward of
+    shape (1, length), `length` = len(ids), or its bucket with right padding (call inside
+    inference_mode); `head.letter_logits` reads the letters from it, as on every path."""
+    length = len(ids) if buckets is None else buckets.length(len(ids))
+    input_ids = torch.full((1, length), PAD_TOKEN_ID, dtype=torch.long)
     input_ids[0, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    last = torch.tensor([len(ids) - 1], dtype=torch.long, device=model.device)
-    output = model(input_ids=input_ids.to(model.device), use_cache=False, logits_to_keep=last)
-    return output.logits[0, 0]
+    decoder = model.get_decoder()
+    output = decoder(input_ids=input_ids.to(model.device), use_cache=False)
+    return output.last_hidden_state[0, len(ids) - 1]

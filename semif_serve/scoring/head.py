@@ -1,10 +1,10 @@
 """The model's own final logits for the option letters, from its decoder's hidden states.
 
-The direct scorer calls the whole model, whose forward applies the output embedding and then,
-in some architectures, post-processes the logits. Every other path (a batch's padded forward,
-the shared forwards, a resumed prefill) runs the decoder itself and reads its letters through
-`letter_logits`, which applies the same post-processing with the same operations in the model's
-dtype, so a row's numbers never depend on the path it took. What each architecture's forward
+A causal LM's forward applies the output embedding and then, in some architectures,
+post-processes the logits. Every scoring path (direct, a batch's padded forward, the shared
+forwards, a resumed prefill) runs the decoder itself and reads its letters through
+`letter_logits`, which applies the output embedding and the same post-processing in float32,
+so a row's numbers never depend on the path it took. What each architecture's forward
 does after `lm_head`, read from transformers' own `*ForCausalLM.forward`:
 - Cohere: `logits * model.logit_scale`;
 - Granite: `logits / config.logits_scaling`;
@@ -90,15 +90,22 @@ def letter_logits(
     model: Any, hidden: torch.Tensor, prompts: list[EncodedPrompt]
 ) -> list[torch.Tensor]:
     """Each row's option-letter logits (float32, option order, on the CPU) from its last hidden
-    state, `hidden` (rows, hidden_size): what the whole model's forward gives at that position.
+    state, `hidden` (rows, hidden_size): the model's output embedding at that position, then its
+    post-processing, on the letters only.
 
-    The post-processing is elementwise, so it runs on the gathered letters only (the same values
-    as on the whole vocabulary, at a fraction of the work); one gather and one copy to the CPU
-    for all rows (a per-row read would wait on the device once per row)."""
+    In float32 whatever the model's dtype: a bfloat16 `lm_head` rounds each logit to 8 bits
+    (0.0625 apart near 10), which moves the probabilities more than anything else in the
+    forward. Each logit is one product summed over the hidden size on its own (not a matmul,
+    whose kernel may round a row differently with another row count), so a row's letters never
+    depend on the other rows; one gather and one copy to the CPU for all rows."""
     counts = [len(prompt.letter_token_ids) for prompt in prompts]
     widest = max(counts)
     padded = [ids + [0] * (widest - len(ids)) for ids in (p.letter_token_ids for p in prompts)]
     letters = hidden.new_tensor(padded, dtype=torch.long)  # on hidden's device
-    gathered = model.get_output_embeddings()(hidden).gather(1, letters)
+    head = model.get_output_embeddings()
+    weights = head.weight[letters].float()  # (rows, letters, hidden)
+    gathered = (hidden.float()[:, None, :] * weights).sum(dim=-1)
+    if head.bias is not None:
+        gathered = gathered + head.bias[letters].float()
     final = POST_PROCESSING[type(model).__name__](model, gathered).float().cpu()
     return [final[row, :count] for row, count in enumerate(counts)]

@@ -46,16 +46,23 @@ class ModelInfo:
 @dataclass(frozen=True)
 class ScoringModel:
     """What both scorers read: `model` is a transformers *ForCausalLM in eval mode, of a class
-    whose final logits every scoring path reproduces (`head.UnsupportedModel` otherwise)."""
+    whose final logits every scoring path reproduces (`head.UnsupportedModel` otherwise). On
+    the CPU it runs batch-invariant numerics (`invariant.install`), so every path gives a row
+    the same bits; `invariant=False` keeps the stock kernels (tests of those paths, and the
+    bench that measures what invariance costs)."""
 
     model: Any
     tokenizer: ChatTokenizer
     info: ModelInfo
+    invariant: bool = True
 
     def __post_init__(self) -> None:
-        from semif_serve.scoring.head import check_supported  # torch: only with a real model
+        from semif_serve.scoring import invariant  # torch: only with a real model
+        from semif_serve.scoring.head import check_supported
 
         check_supported(self.model)  # at load, not at the first batched or cached call
+        if self.invariant:
+            invariant.install(self.model)
 
     @property
     def device(self):

@@ -30,6 +30,9 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from semif_serve.scoring.invariant import ATTENTION_NAME as INVARIANT_ATTENTION
+from semif_serve.scoring.invariant import invariant_attention
+
 ATTENTION_NAME = "semif_prefix_sdpa"
 # Rows whose keys are joined to the prefix in one SDPA call: bounds the transient copy of one
 # layer's prefix keys/values to this many rows, however many rows the call scores.
@@ -80,9 +83,32 @@ def prefix_attention(
     query (n, heads, L, d); key/value: the rows' own (n, kv_heads, L, d); attention_mask: a
     boolean (n, 1, L, L) mask over the own keys (True = may attend). Returns (n, L, heads, d).
     """
+    return _joined(
+        sdpa_attention_forward, module, query, key, value, attention_mask, dropout, scaling, kwargs
+    )
+
+
+def invariant_prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """`prefix_attention` with `invariant.invariant_attention` as its kernel."""
+    return _joined(
+        invariant_attention, module, query, key, value, attention_mask, dropout, scaling, kwargs
+    )
+
+
+def _joined(kernel, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """`kernel` over the rows' own keys; inside `attending_to`, over [prefix ; own keys]."""
     shared_prefix = _ACTIVE.get()
     if shared_prefix is None:
-        return sdpa_attention_forward(
+        return kernel(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     prefix_keys = shared_prefix.keys[module.layer_idx]
@@ -97,7 +123,7 @@ def prefix_attention(
         values = torch.cat([prefix_values.expand(rows, -1, -1, -1), value[chunk]], dim=2)
         own_mask = attention_mask[chunk]
         prefix_mask = own_mask.new_ones((rows, 1, own_mask.shape[2], prefix_length))
-        output, _ = sdpa_attention_forward(
+        output, _ = kernel(
             module,
             query[chunk],
             keys,
@@ -105,6 +131,7 @@ def prefix_attention(
             torch.cat([prefix_mask, own_mask], dim=3),
             dropout=dropout,
             scaling=scaling,
+            softcap=kwargs.get("softcap"),
         )
         outputs.append(output)
     return torch.cat(outputs), None
@@ -112,13 +139,15 @@ def prefix_attention(
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+# The invariant numerics' attention joins a shared prefix the same way (`invariant.install`).
+AttentionInterface.register(INVARIANT_ATTENTION, invariant_prefix_attention)
 
 
 def enable_prefix_attention(model: Any) -> bool:
     """Route the model's attention through `prefix_attention` (idempotent). False when the model
     runs another attention kernel than SDPA, whose numerics the fallback would not reproduce."""
     current = model.config._attn_implementation
-    if current == ATTENTION_NAME:
+    if current in (ATTENTION_NAME, INVARIANT_ATTENTION):
         return True
     if current != "sdpa":
         return False

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from semif_serve.scoring import invariant
 from semif_serve.scoring.cache import (
     can_share_prefix,
     replicate_cache,
@@ -143,7 +144,7 @@ def forward(
     every forward has a bucketed shape; with `prefix_cache`, that prefill may be a stored one."""
     if buckets is not None:
         prefix_ids = prefix_ids[: buckets.prefix(len(prefix_ids))]
-    if is_pure_attention(model):
+    if is_pure_attention(model) and not invariant.installed(model):
         return forward_packed(model, prefix_ids, prompts, buckets, prefix_cache)
     return _forward(model, prefix_ids, prompts, buckets, prefix_cache)
 
