@@ -14,17 +14,22 @@ from tiny_models import byte_tokenizer, tiny_llama
 
 from semif_serve.scoring import ModelInfo, ScoringModel
 from semif_serve.scoring.invariant import (
-    ATTENTION_NAME,
-    KEY_BLOCK,
     MIN_ROWS,
     TILE_ROWS,
     _by_rows,
-    _exp,
     install,
     installed,
-    invariant_attention,
     invariant_linear,
     row_policy,
+)
+from semif_serve.scoring.invariant_attention import (
+    ATTENTION_NAME,
+    KEY_BLOCK,
+    SDPA_BLOCK,
+    SDPA_CALL,
+    SDPA_QUERIES,
+    _exp,
+    invariant_attention,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -70,15 +75,20 @@ def test_the_attention_computes_what_sdpa_computes(keys, softcap):
     )
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])  # SDPA's calls; the blocked kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_row_gets_the_same_bits_alone_or_among_others(dtype):
+def test_a_query_row_gets_the_same_bits_alone_or_among_others(dtype, softcap):
     """The last query of a 300-key prompt: in a full causal forward, as the only query over the
     same keys, among 3 other rows whose keys run 500 long (padding masked), and over keys cut
     at position 137 by a sliding-window cache (positions given, as the models pass them)."""
     keys = 300
     query, key, value = (tensors(1, 4, keys, HEAD, seed=s, dtype=dtype) for s in (1, 2, 3))
-    full = attend(query, key, value)[:, -1]
-    alone = attend(query[:, :, -1:], key, value)[:, -1]
+
+    def capped(*args, **kwargs):
+        return attend(*args, softcap=softcap, **kwargs)
+
+    full = capped(query, key, value)[:, -1]
+    alone = capped(query[:, :, -1:], key, value)[:, -1]
     strangers_k, strangers_v = (tensors(4, 4, 500, HEAD, seed=s, dtype=dtype) for s in (4, 5))
     strangers_q = tensors(4, 4, 500, HEAD, seed=6, dtype=dtype)
     strangers_k[2, :, :keys], strangers_v[2, :, :keys], strangers_q[2, :, :keys] = (
@@ -88,22 +98,45 @@ def test_a_query_row_gets_the_same_bits_alone_or_among_others(dtype):
     )
     mask = causal(500, 500, rows=4).clone()
     mask[2, :, :, keys:] = False  # row 2 is right-padded after its 300 real tokens
-    among = attend(strangers_q, strangers_k, strangers_v, mask)[2, keys - 1]
+    among = capped(strangers_q, strangers_k, strangers_v, mask)[2, keys - 1]
     cut = 137
     positions = torch.arange(keys - 1, keys)[None]
-    window = attend(
+    window = capped(
         query[:, :, -1:],
         key[:, :, cut:],
         value[:, :, cut:],
         causal(1, keys - cut),
         position_ids=positions,
     )[:, -1]
-    window_reference = attend(
+    window_reference = capped(
         query, key, value, causal(keys, keys) & (torch.arange(keys)[None, None, None, :] >= cut)
     )[:, -1]
     assert torch.equal(alone, full)
     assert torch.equal(among, full[0])
     assert torch.equal(window, window_reference)
+
+
+def test_every_sdpa_call_has_whole_query_and_key_blocks(monkeypatch):
+    """700 queries over 900 keys starting at position 300 (a cut cache): calls of at most
+    SDPA_CALL queries in whole 32-query blocks, keys in whole 512-key blocks aligned to
+    position 0, each call over the blocks its queries may see (the first: positions < 1024)."""
+    from semif_serve.scoring import invariant_attention as module
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[2], key.shape[2], attn_mask[0, 0, 0].nonzero().min().item()))
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", recording)
+    query, key, value = (tensors(1, 2, n, HEAD, seed=s) for s, n in ((1, 700), (2, 900), (3, 900)))
+    positions = torch.arange(500, 1200)[None]
+    attend(query, key, value, causal(700, 900), position_ids=positions)
+    assert [queries for queries, _, _ in calls] == [SDPA_CALL] * 4 + [64]  # 700 -> 704 queries
+    assert all(keys % SDPA_BLOCK == 0 for _, keys, _ in calls)
+    assert calls[0][1] == 2 * SDPA_BLOCK and calls[-1][1] == 3 * SDPA_BLOCK
+    assert calls[0][2] == 300  # the first real key sits at its position within the block
 
 
 def test_a_row_that_may_see_no_key_gets_zeros_not_nan():
@@ -184,5 +217,7 @@ def test_a_model_on_another_attention_kernel_is_left_as_it_is():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-def test_key_blocks_are_what_the_module_says():
-    assert KEY_BLOCK % 16 == 0 and TILE_ROWS % KEY_BLOCK == 0
+def test_the_sdpa_calls_keep_torchs_blocks_fixed():
+    """torch's CPU flash attention: 32-query blocks below 192 queries; its key block is 512."""
+    assert SDPA_CALL % SDPA_QUERIES == 0 and SDPA_CALL < 192 and SDPA_QUERIES == 32
+    assert SDPA_BLOCK == 512 and KEY_BLOCK % 16 == 0

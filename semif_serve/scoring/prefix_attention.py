@@ -30,8 +30,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from semif_serve.scoring.invariant import ATTENTION_NAME as INVARIANT_ATTENTION
-from semif_serve.scoring.invariant import invariant_attention
+from semif_serve.scoring.invariant_attention import ATTENTION_NAME as INVARIANT_ATTENTION
+from semif_serve.scoring.invariant_attention import invariant_attention
 
 ATTENTION_NAME = "semif_prefix_sdpa"
 # Rows whose keys are joined to the prefix in one SDPA call: bounds the transient copy of one

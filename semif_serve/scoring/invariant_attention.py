@@ -1,0 +1,198 @@
+"""Batch-invariant attention on the CPU: a query row's output has the same bits whatever else
+the call holds (other rows, other queries, more keys, keys a sliding-window cache cut).
+
+torch's CPU flash attention splits the keys into blocks of `min(512, keys)` and the queries into
+blocks of 32, 64 or 256 by the call's query count, and a row's sums follow those blocks. So
+`_sdpa_tiles` calls it with every length fixed: keys aligned to SDPA_BLOCK positions (masked
+keys before the first and after the last), whole blocks only, and queries padded to whole
+SDPA_QUERIES blocks, SDPA_CALL (under 192, so torch keeps 32-query blocks) to a call, each call
+over the blocks its queries may see. A block a row may not see changes nothing in its online
+softmax (its weights are exact zeros and its running maximum stays), so the blocks a call skips
+or adds never show. SDPA has no soft-capping: for Gemma2's `_blocked` runs the same online
+softmax itself in float32 over KEY_BLOCK-key blocks, with fixed-width matmuls
+(`invariant.row_policy` for the row count) and exponentials over whole vectors (`_exp`: torch
+computes a tensor's tail elements with the scalar function, which may round differently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "semif_invariant"
+SDPA_BLOCK = 512  # torch's CPU flash attention's key block (fewer keys: one block of them all)
+SDPA_QUERIES = 32  # its query block for calls of fewer than 192 queries
+SDPA_CALL = 160  # queries per call: whole SDPA_QUERIES blocks, under 192
+KEY_BLOCK = 64  # `_blocked`'s key block
+QUERY_TILE = 256  # `_blocked`'s queries per pass
+_VECTOR = 64  # elements: a multiple of every CPU vector width torch uses for float32
+
+
+def invariant_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention as transformers calls it: query (n, heads, Lq, d), key/value (n, kv_heads, Lk,
+    d), a boolean mask (n or 1, 1, Lq, Lk; True = may attend) or None (causal, the queries being
+    the last Lq positions). Returns (n, Lq, heads, d) in the query's dtype."""
+    rows, heads, queries, width = query.shape
+    keys = key.shape[2]
+    scaling = width**-0.5 if scaling is None else scaling
+    mask = _boolean_mask(attention_mask, rows, queries, keys, query.device)
+    start = _first_key_position(kwargs.get("position_ids"), queries, keys)
+    if softcap is None:
+        output = _sdpa_tiles(query, key, value, mask, scaling, start)
+    else:
+        output = _blocked(query, key, value, mask, scaling, softcap, start)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _blocked(query, key, value, mask, scaling, softcap, start) -> torch.Tensor:
+    """The online softmax in float32 over KEY_BLOCK-key blocks; (n, heads, Lq, d)."""
+    rows, heads, queries, width = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    # Blocks start at multiples of KEY_BLOCK in positions, wherever the keys start (a
+    # sliding-window cache keeps only the last keys): masked keys fill both ends.
+    before = start % KEY_BLOCK
+    after = -(before + keys) % KEY_BLOCK
+    key = F.pad(key.float(), (0, 0, before, after))
+    value = F.pad(value.float(), (0, 0, before, after))
+    mask = F.pad(mask, (before, after), value=False)
+    # (rows, kv_heads, groups, Lq, d): each key/value head with the query heads that read it.
+    grouped = query.float().reshape(rows, kv_heads, groups, queries, width)
+    output = torch.empty_like(grouped)
+    for start in range(0, queries, QUERY_TILE):
+        stop = min(start + QUERY_TILE, queries)
+        output[:, :, :, start:stop] = _attend_tile(
+            grouped[:, :, :, start:stop], key, value, mask[:, :, start:stop], scaling, softcap
+        )
+    return output.reshape(rows, heads, queries, width).to(query.dtype)
+
+
+def _sdpa_tiles(query, key, value, mask, scaling, start) -> torch.Tensor:
+    """SDPA over keys aligned to SDPA_BLOCK positions, queries padded to whole SDPA_QUERIES
+    blocks (a padding query sees the first real key: no row without a key), SDPA_CALL queries a
+    call over the blocks they may see; (n, heads, Lq, d)."""
+    rows, heads, queries, width = query.shape
+    before = start % SDPA_BLOCK
+    after = -(before + key.shape[2]) % SDPA_BLOCK
+    key = F.pad(key, (0, 0, before, after))
+    value = F.pad(value, (0, 0, before, after))
+    mask = F.pad(mask, (before, after), value=False)
+    extra = -queries % SDPA_QUERIES
+    if extra:
+        query = F.pad(query, (0, 0, 0, extra))
+        seen = mask.new_zeros((rows, 1, extra, mask.shape[3]))
+        seen[..., before] = True
+        mask = torch.cat([mask, seen], dim=2)
+    blocks_seen = mask.reshape(rows, -1, mask.shape[3] // SDPA_BLOCK, SDPA_BLOCK).any(dim=-1)
+    outputs = []
+    for first in range(0, query.shape[2], SDPA_CALL):
+        queries_in = slice(first, first + SDPA_CALL)
+        visible = blocks_seen[:, queries_in].any(dim=1).any(dim=0).nonzero()
+        blocks = int(visible.max()) + 1 if len(visible) else 1
+        keys_in = slice(0, blocks * SDPA_BLOCK)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, queries_in],
+                key[:, :, keys_in],
+                value[:, :, keys_in],
+                attn_mask=mask[:, :, queries_in, keys_in],
+                scale=scaling,
+                enable_gqa=heads != key.shape[1],
+            )
+        )
+    return torch.cat(outputs, dim=2)[:, :, :queries]
+
+
+def _attend_tile(query, key, value, mask, scaling, softcap) -> torch.Tensor:
+    """One tile of queries (rows, kv_heads, groups, T, d) against the padded keys, block by block
+    in order, skipping the blocks no query of the tile may see."""
+    rows, kv_heads, groups, tile, width = query.shape
+    flat_query = query.reshape(rows * kv_heads, groups * tile, width)
+    visible = mask.reshape(mask.shape[0], tile, -1, KEY_BLOCK).any(dim=-1).any(dim=1).any(dim=0)
+    best = query.new_full((rows, kv_heads, groups, tile), float("-inf"))
+    total = query.new_zeros((rows, kv_heads, groups, tile))
+    acc = query.new_zeros((rows, kv_heads, groups, tile, width))
+    for block in visible.nonzero().flatten().tolist():
+        keys = slice(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
+        block_keys = key[:, :, keys].reshape(rows * kv_heads, KEY_BLOCK, width)
+        scores = _matmul(flat_query, block_keys.transpose(1, 2)) * scaling
+        scores = scores.reshape(rows, kv_heads, groups, tile, KEY_BLOCK)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, :, None, :, keys], float("-inf"))
+        new_best = torch.maximum(best, scores.amax(dim=-1))
+        finite = torch.where(new_best == float("-inf"), 0.0, new_best)
+        weights = _exp(scores - finite[..., None])
+        rescale = _exp(best - finite)
+        total = total * rescale + weights.sum(dim=-1)
+        block_values = value[:, :, keys].reshape(rows * kv_heads, KEY_BLOCK, width)
+        flat_weights = weights.reshape(rows * kv_heads, groups * tile, KEY_BLOCK)
+        weighted = _matmul(flat_weights, block_values).reshape(acc.shape)
+        acc = acc * rescale[..., None] + weighted
+        best = new_best
+    return acc / torch.where(total == 0, 1.0, total)[..., None]
+
+
+def _exp(values: torch.Tensor) -> torch.Tensor:
+    """exp of every element through torch's vector kernel (see the module docstring)."""
+    flat = values.reshape(-1)
+    count = flat.shape[0]
+    if count % _VECTOR:
+        flat = torch.cat([flat, flat.new_zeros(_VECTOR - count % _VECTOR)])
+    return flat.exp()[:count].reshape(values.shape)
+
+
+def _matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Batched left (b, rows, k) @ right (b, k, n), rows through `invariant.row_policy`."""
+    from semif_serve.scoring.invariant import MIN_ROWS, _by_rows, row_policy  # (imports this)
+
+    tile = row_policy(left.shape[2], right.shape[2], left.dtype, "matmul")
+    if tile is None and left.shape[1] >= MIN_ROWS:
+        return torch.matmul(left, right)
+    rows = left.transpose(0, 1)  # (rows, b, k): pad and tile along the rows
+
+    def multiply(part: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(part.transpose(0, 1), right).transpose(0, 1)
+
+    return _by_rows(multiply, rows, tile).transpose(0, 1)
+
+
+def _first_key_position(position_ids: torch.Tensor | None, queries: int, keys: int) -> int:
+    """The position of the first key: the queries are the last `queries` of the `keys` (after
+    a cache's keys or a shared prefix's); 0 when the model passes no position ids."""
+    if position_ids is None:
+        return 0
+    return int(position_ids[0, 0]) + queries - keys
+
+
+def _boolean_mask(mask, rows: int, queries: int, keys: int, device) -> torch.Tensor:
+    """(rows, 1, Lq, Lk) booleans, True where a query may attend a key."""
+    if mask is None:
+        positions = torch.arange(queries, device=device)[:, None] + (keys - queries)
+        allowed = torch.arange(keys, device=device)[None, :] <= positions
+        return allowed[None, None].expand(rows, 1, queries, keys)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"invariant attention takes a boolean mask, not {mask.dtype}")
+    return mask.expand(rows, 1, queries, keys)
+
+
+def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """SDPA's boolean mask, always materialised (never "None: causal") for `invariant_attention`."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionMaskInterface.register(ATTENTION_NAME, invariant_mask)
