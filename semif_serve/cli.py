@@ -21,7 +21,10 @@ import semif_serve  # noqa: F401  (forces the hub offline before torch or transf
 from semif_serve.engine import kernel_cache
 
 EXIT_USAGE = 2
-DTYPE_HELP = "the weights' dtype: float32, bfloat16 or float16 (default: %(default)s)"
+DTYPE_HELP = (
+    "the weights' dtype: float32, bfloat16 or float16 (default: the server's on that device: "
+    "bfloat16 on a GPU or a CPU with native bfloat16, else float32)"
+)
 MAX_TOKENS_HELP = "longer prompts are rejected, never truncated (default: %(default)s)"
 SERVE_DESCRIPTION = (
     "Run the HTTP service: one gunicorn worker that loads the model once, then answers "
@@ -84,9 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--revision", help="40-hex commit for a hub id; free text for a local folder"
     )
     score.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    score.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help=DTYPE_HELP
-    )
+    score.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=DTYPE_HELP)
     score.add_argument("--max-tokens", type=_positive_int, default=4096, help=MAX_TOKENS_HELP)
     score.add_argument("--out", type=Path, help="write results here instead of stdout")
     add_quality_commands(commands)
@@ -205,9 +206,7 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="score locally instead: builtin:NAME, a folder or a hub id")
     parser.add_argument("--revision", help="40-hex commit for a hub id")
     parser.add_argument("--device", default="cpu", help="local model device (default: %(default)s)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help=DTYPE_HELP
-    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=DTYPE_HELP)
     parser.add_argument("--max-tokens", type=_positive_int, default=4096, help=MAX_TOKENS_HELP)
 
 
@@ -248,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_score(args: argparse.Namespace) -> int:
+    from semif_serve import config
     from semif_serve.engine.builtin import BuiltinModelError
     from semif_serve.engine.loading import ModelLoadError, load_model
     from semif_serve.score_file import BatchInputError, output_file, read_rows, score_file
@@ -255,7 +255,12 @@ def run_score(args: argparse.Namespace) -> int:
 
     try:
         rows = read_rows(args.rows)
-        model = load_model(args.model, args.revision, dtype=args.dtype, device=args.device)
+        model = load_model(
+            args.model,
+            args.revision,
+            dtype=args.dtype or config.default_dtype(args.device),
+            device=args.device,
+        )
         with output_file(args.out) as out:
             score_file(
                 args.rows,

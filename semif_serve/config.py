@@ -108,16 +108,15 @@ class Settings:
         return settings_from_env(os.environ if environ is None else environ)
 
 
-def settings_from_env(env: Mapping[str, str]) -> Settings:
+def settings_from_env(env: Mapping[str, str], cpu_flags: frozenset[str] | None = None) -> Settings:
     """Every SEMIF_* variable parsed and validated (a module function, so the mutation grid can
-    mutate it: mutmut leaves decorated methods such as `from_env` alone)."""
+    mutate it: mutmut leaves decorated methods such as `from_env` alone). `cpu_flags`: this
+    machine's (`read_cpu_flags`) unless given."""
     device = env.get("SEMIF_DEVICE", "cuda")
     if not DEVICE_PATTERN.fullmatch(device):
         raise ConfigError(f"SEMIF_DEVICE: must be cuda, cuda:N or cpu, got {device!r}")
-    # float32 on the CPU even where bfloat16 is native and ~2x faster: SmolLM2's probabilities
-    # then move by up to 0.06 and `accept`'s negative control fails (docs/performance.md,
-    # "float32 or bfloat16 on the CPU"). SEMIF_DTYPE=bfloat16 opts in.
-    default_dtype = "float32" if device == "cpu" else "bfloat16"
+    flags = read_cpu_flags() if cpu_flags is None and device == "cpu" else cpu_flags
+    default_dtype = default_dtype_for(device, flags or frozenset())
     device_kind = "cpu" if device == "cpu" else "cuda"
     batch_rows, batch_tokens = BATCH_DEFAULTS[device_kind]
     dtype = env.get("SEMIF_DTYPE", default_dtype)
@@ -168,6 +167,40 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         legacy_extension_block=parse_flag(env, "SEMIF_LEGACY_EXTENSION_BLOCK", default=False),
         state_dir=Path(env["SEMIF_STATE_DIR"]) if env.get("SEMIF_STATE_DIR") else None,
     )
+
+
+# CPU flags of native bfloat16 arithmetic (/proc/cpuinfo): AMX tiles, AVX-512 BF16.
+NATIVE_BFLOAT16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def default_dtype_for(device: str, cpu_flags: frozenset[str]) -> str:
+    """bfloat16 on GPUs and on CPUs that compute it natively; float32 on other CPUs, where
+    bfloat16 is emulated and ~5.7x slower. The CPU's invariant numerics make bfloat16's paths
+    agree bit for bit (docs/performance.md, "Batch-invariant numerics")."""
+    if device != "cpu" or cpu_flags & NATIVE_BFLOAT16_FLAGS:
+        return "bfloat16"
+    return "float32"
+
+
+def default_dtype(device: str) -> str:
+    """`semif-serve serve`'s dtype on `device` ("cpu", "cuda", "cuda:N") on this machine."""
+    if device == "cpu":
+        return default_dtype_for("cpu", read_cpu_flags())
+    return default_dtype_for("cuda", frozenset())
+
+
+def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The first processor's `flags` in /proc/cpuinfo; empty when there is none to read."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
 
 
 def parse_token(token: str | None) -> str:

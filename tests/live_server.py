@@ -119,10 +119,13 @@ def semif_serve_command() -> list[str]:
 
 
 def real_env(builtin_cache: Path, **extra: str) -> dict[str, str]:
-    """The environment of a real server on the built-in SmolLM2 on the CPU."""
+    """The environment of a real server on the built-in SmolLM2 on the CPU, in float32 (the
+    in-process `smollm2` fixture's dtype; the CPU default depends on the machine's flags, and
+    tests/test_e2e.py checks a server left to it)."""
     return {
         "SEMIF_MODEL": "builtin:smollm2-135m",
         "SEMIF_DEVICE": "cpu",
+        "SEMIF_DTYPE": "float32",
         "SEMIF_CACHE_DIR": str(builtin_cache),
         **extra,
     }

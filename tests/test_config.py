@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from semif_serve import config
 from semif_serve.config import DEFAULT_MODEL, DEFAULT_REVISION, ConfigError, Settings
 
 TOKEN = "k" * 32
@@ -23,7 +24,8 @@ def test_defaults_follow_the_contract():
     )
     assert (s.max_tokens, s.max_decisions, s.max_body_bytes, s.max_queue) == (4096, 64, 1 << 20, 32)
     assert s.vram_cap_gib is None and dict(s.calibration) == {} and s.bind == "127.0.0.1:8471"
-    assert settings(SEMIF_DEVICE="cpu").dtype == "float32"
+    native = config.read_cpu_flags() & config.NATIVE_BFLOAT16_FLAGS  # this machine's CPU
+    assert settings(SEMIF_DEVICE="cpu").dtype == ("bfloat16" if native else "float32")
     assert TOKEN not in repr(s)
 
 

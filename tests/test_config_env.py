@@ -135,23 +135,51 @@ def test_the_default_revision_is_the_default_models_only(env, revision):
     assert settings.model == env.get("SEMIF_MODEL", DEFAULT_MODEL)
 
 
-def test_the_cpu_device_defaults_to_float32_and_does_not_require_fast_kernels():
-    # float32 also on this CPU, which computes bfloat16 natively: measured and decided in
-    # docs/performance.md ("float32 or bfloat16 on the CPU"); SEMIF_DTYPE=bfloat16 opts in.
-    settings = Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"})
-    assert (settings.device, settings.dtype, settings.require_fast_kernels) == (
-        "cpu",
-        "float32",
-        False,
+@pytest.mark.parametrize(
+    ("flags", "dtype"),
+    [
+        ({"avx512f", "avx512_bf16"}, "bfloat16"),  # the development EPYC
+        ({"avx512f", "amx_tile", "amx_bf16"}, "bfloat16"),  # an AMX Xeon
+        ({"avx2", "avx512f", "avx512_vnni"}, "float32"),  # emulated bfloat16: ~5.7x slower
+        (set(), "float32"),  # no /proc/cpuinfo to read
+    ],
+)
+def test_the_cpu_device_defaults_to_bfloat16_where_native_and_does_not_require_fast_kernels(
+    flags, dtype
+):
+    """Issue 44: bfloat16 where the CPU computes it natively (its paths agree bit for bit under
+    the invariant numerics), float32 elsewhere; SEMIF_DTYPE chooses either."""
+    env = {"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"}
+    settings = config.settings_from_env(env, cpu_flags=frozenset(flags))
+    assert (settings.device, settings.dtype, settings.require_fast_kernels) == ("cpu", dtype, False)
+    for chosen in ("float32", "bfloat16"):
+        explicit = config.settings_from_env(env | {"SEMIF_DTYPE": chosen}, frozenset(flags))
+        assert explicit.dtype == chosen
+    gpu = config.settings_from_env({"SEMIF_API_TOKEN": TOKEN}, cpu_flags=frozenset(flags))
+    assert gpu.dtype == "bfloat16"
+    required = config.settings_from_env(
+        env | {"SEMIF_REQUIRE_FAST_KERNELS": "1"}, cpu_flags=frozenset(flags)
     )
-    explicit = Settings.from_env(
-        {"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu", "SEMIF_REQUIRE_FAST_KERNELS": "1"}
+    assert required.require_fast_kernels is True
+
+
+def test_the_cpu_flags_are_the_first_processors(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f avx512_bf16\n\n"
+        "processor\t: 1\nflags\t\t: fpu\n"
     )
-    assert explicit.require_fast_kernels is True
-    opted = Settings.from_env(
-        {"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu", "SEMIF_DTYPE": "bfloat16"}
-    )
-    assert opted.dtype == "bfloat16"
+    assert config.read_cpu_flags(cpuinfo) == {"fpu", "avx512f", "avx512_bf16"}
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # an Arm machine's
+    assert config.read_cpu_flags(cpuinfo) == frozenset()
+    assert config.read_cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_the_machines_own_flags_choose_the_cpu_default(monkeypatch):
+    monkeypatch.setattr(config, "read_cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"}).dtype == "bfloat16"
+    monkeypatch.setattr(config, "read_cpu_flags", lambda: frozenset({"avx2"}))
+    assert Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"}).dtype == "float32"
 
 
 def test_the_prefix_cache_budget_defaults_by_device_and_takes_0_to_1024_gib():

@@ -76,6 +76,43 @@ def test_decide_and_shared_with_rotations_on_the_real_model(tmp_path, builtin_ca
         ] > 0
 
 
+def test_a_server_left_to_the_cpu_default_dtype_answers_the_same_bits_on_every_path(
+    tmp_path, builtin_cache
+):
+    """Issue 44: `make serve`'s settings (no SEMIF_DTYPE): bfloat16 on a CPU with native
+    bfloat16, float32 elsewhere, named in /health and every reply; a decision gets the same
+    probabilities alone, inside a shared call among others, and as a state-prefix cache hit."""
+    from semif_serve import config
+
+    expected = config.default_dtype_for("cpu", config.read_cpu_flags())
+    env = real_env(builtin_cache)
+    del env["SEMIF_DTYPE"]
+    long_state = {**STATE, "history": STATE["history"] * 30}
+    asked = [{**row(f"q{n}", ("Yes, it concerns the printer", "No")), "state": long_state}
+             for n in range(3)]  # fmt: skip
+    asked[1]["question"], asked[2]["question"] = "Is the reporter named?", "Is it urgent?"
+    server = LiveServer(semif_serve_command(), env, tmp_path / "server.log")
+    server.env.pop("SEMIF_DTYPE", None)  # the default, whatever the test runner's env says
+    with server:
+        status, health, _ = server.request("GET", "/health")
+        assert status == 200 and health["model"]["dtype"] == expected
+        alone = []
+        for body in asked:  # the first stores the state's prefill, the others resume it
+            status, decided, _ = server.request("POST", "/decide", body, AUTH)
+            assert status == 200 and decided["model"]["dtype"] == expected, decided
+            alone.append(decided)
+        assert [d["cache_hit"] for d in alone] == [False, True, True]
+        decisions = [{key: body[key] for key in ("id", "question", "options")} for body in asked]
+        status, shared, _ = server.request(
+            "POST", "/decide/shared", {"state": long_state, "decisions": decisions[::-1]}, AUTH
+        )
+        assert status == 200, shared
+    by_id = {result["id"]: result for result in shared["results"]}
+    for decided in alone:
+        assert by_id[decided["id"]]["probabilities"] == decided["probabilities"]
+        assert by_id[decided["id"]]["option_logits"] == decided["option_logits"]
+
+
 def smollm2_score(smollm2, body):
     """The in-process direct scorer's probabilities for a /decide body (no cache)."""
     from semif_serve.scoring import score

@@ -395,3 +395,29 @@ def test_a_server_error_reply_becomes_an_api_error_with_its_code():
             client.decide({"id": "x"})
     assert caught.value.status == 422
     assert caught.value.code == "invalid_request"
+
+
+@pytest.mark.parametrize(
+    ("model", "explicit", "expected"),
+    [
+        ({"dtype": "bfloat16", "attention": "semif_invariant"}, None, 0.005),
+        ({"dtype": "bfloat16", "attention": "sdpa"}, None, 0.06),  # e.g. CUDA's stock kernels
+        ({"dtype": "float16", "attention": "semif_invariant"}, None, 0.005),
+        ({"dtype": "float16"}, None, 0.03),
+        ({"dtype": "bfloat16", "attention": "semif_invariant"}, 0.02, 0.02),  # --tolerance
+        ({}, None, 0.005),
+    ],
+)
+def test_the_checks_within_an_invariant_server_use_float32s_tolerance(model, explicit, expected):
+    """Issue 44: a server on the CPU's batch-invariant numerics gives every path the same bits,
+    so its noise floor, negative control and shared-vs-direct checks are judged at float32's
+    tolerance in bfloat16 too (at 0.06 the negative control could not tell rotated options
+    apart); parity, against another process, keeps the dtype's."""
+    assert accept_module.server_tolerance(model, explicit) == expected
+
+
+def test_the_report_names_both_tolerances():
+    scorer = sound_scorer()
+    report, checks = run_checks(scorer)
+    assert (report["tolerance"], report["server_tolerance"]) == (0.005, 0.005)
+    assert "tolerance 0.005, within the server 0.005" in accept_module.table(report)

@@ -8,7 +8,10 @@ Checks, each pass, fail or skipped (thresholds in docs/quality.md):
 5. speed: 21 binary criteria over one state via `/decide/shared`, N >= 3 times, against 21
    separate `/decide` calls, every timed call cold (speed.py: the prefix cache kept out);
 6. VRAM (CUDA servers only): the peak at a ~4096-token input and a suggested SEMIF_VRAM_CAP_GIB.
-Rows agree as `agreement.compare_runs` defines, with a tolerance set by the model's dtype.
+Rows agree as `agreement.compare_runs` defines, with a tolerance set by the model's dtype for
+parity (another process, maybe another machine), and for the checks within the server (2-4)
+float32's where the server runs batch-invariant numerics (its paths agree bit for bit; see
+`server_tolerance`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from semif_serve.state_key import state_key
 
 TOLERANCE_BY_DTYPE = {"float32": 0.005, "float16": 0.03, "bfloat16": 0.06}
 DEFAULT_TOLERANCE = 0.005
+INVARIANT_ATTENTION = "semif_invariant"  # what /health's model.attention says of such a server
 NEGATIVE_CONTROL_MAX_AGREEMENT = 0.5
 MIN_REPEATS = 3
 VRAM_TARGET_TOKENS = 4096
@@ -46,6 +50,17 @@ class AcceptInputs:
     repeats: int = MIN_REPEATS
     tolerance: float | None = None  # None: by the model's dtype
     max_speed_p50_s: float | None = None
+
+
+def server_tolerance(model: dict[str, Any], explicit: float | None) -> float:
+    """The tolerance of the checks within one server: `explicit` (--tolerance) if given; float32's
+    where the server's paths agree bit for bit (`model.attention` is the CPU's invariant
+    attention, whatever the dtype); else the dtype's, as for parity."""
+    if explicit:
+        return explicit
+    if model.get("attention") == INVARIANT_ATTENTION:
+        return DEFAULT_TOLERANCE
+    return TOLERANCE_BY_DTYPE.get(model.get("dtype"), DEFAULT_TOLERANCE)
 
 
 class Acceptance:
@@ -75,7 +90,9 @@ class Acceptance:
         self.tolerance = self._inputs.tolerance or TOLERANCE_BY_DTYPE.get(
             model.get("dtype"), DEFAULT_TOLERANCE
         )
-        self._client.decide(self._inputs.rows[0])  # a wrong token stops here, before any check
+        # A wrong token stops here, before any check; a result's model names its attention.
+        first = self._client.decide(self._inputs.rows[0])
+        self.server_tolerance = server_tolerance(first.get("model") or {}, self._inputs.tolerance)
         checks = [
             self._guarded("parity", self.parity),
             self._guarded("noise floor", self.noise_floor),
@@ -89,6 +106,7 @@ class Acceptance:
             "health": self.health,
             "rows": len(self._inputs.rows),
             "tolerance": self.tolerance,
+            "server_tolerance": self.server_tolerance,
             "passed": all(check.status != "fail" for check in checks),
             "checks": [asdict(check) for check in checks],
         }
@@ -184,14 +202,15 @@ class Acceptance:
         return Check("parity", status(passed), measured, threshold, details)
 
     def noise_floor(self) -> Check:
-        comparison = compare_runs(self._direct("A"), self._direct("A again"), self.tolerance)
+        tolerance = self.server_tolerance
+        comparison = compare_runs(self._direct("A"), self._direct("A again"), tolerance)
         self.floor = comparison.max_gap
-        passed = comparison.same_top == comparison.rows and comparison.max_gap <= self.tolerance
+        passed = comparison.same_top == comparison.rows and comparison.max_gap <= tolerance
         return Check(
             "noise floor",
             status(passed),
             f"top {comparison.same_top}/{comparison.rows}, max gap {comparison.max_gap:.2g}",
-            f"same top on every row, max gap <= {self.tolerance}",
+            f"same top on every row, max gap <= {tolerance}",
             comparison.as_dict(),
         )
 
@@ -205,7 +224,7 @@ class Acceptance:
         original = {
             row_id: result for row_id, result in self._direct("A").items() if row_id in changed
         }
-        comparison = compare_runs(original, shuffled, self.tolerance)
+        comparison = compare_runs(original, shuffled, self.server_tolerance)
         passed = comparison.agreement <= NEGATIVE_CONTROL_MAX_AGREEMENT
         return Check(
             "negative control",
@@ -216,7 +235,7 @@ class Acceptance:
         )
 
     def shared_vs_direct(self) -> Check:
-        tolerance = max(self.tolerance, self.floor or 0.0)
+        tolerance = max(self.server_tolerance, self.floor or 0.0)
         comparison = compare_runs(self._direct("A"), self._shared(), tolerance)
         passed = comparison.agreeing == comparison.rows
         return Check(
@@ -331,6 +350,7 @@ def table(report: dict[str, Any]) -> str:
     ]
     verdict = "ACCEPTED" if report["passed"] else "NOT ACCEPTED"
     lines.append(
-        f"\n{verdict}: {report['url']} ({report['rows']} rows, tolerance {report['tolerance']})"
+        f"\n{verdict}: {report['url']} ({report['rows']} rows, tolerance {report['tolerance']}, "
+        f"within the server {report['server_tolerance']})"
     )
     return "\n".join(lines) + "\n"

@@ -218,9 +218,15 @@ def _backend(args: argparse.Namespace, stack: ExitStack):
         return HttpBackend(stack.enter_context(_client(args)))
     if args.results is not None:
         return SavedResults(args.results)
+    from semif_serve import config
     from semif_serve.engine.loading import load_model
 
-    model = load_model(args.model, args.revision, dtype=args.dtype, device=args.device)
+    model = load_model(
+        args.model,
+        args.revision,
+        dtype=args.dtype or config.default_dtype(args.device),
+        device=args.device,
+    )
     return LocalBackend(model, args.max_tokens)
 
 
