@@ -84,6 +84,23 @@ def concurrent_callers(
     return len(rows) / elapsed, latencies
 
 
+def taking_turns(calls: dict, rounds: int) -> dict:
+    """Wall and CPU seconds of each call over `rounds`, after one warm-up each; the calls run in
+    turn, the first of each round alternating, so drift and load fall on all of them."""
+    names = list(calls)
+    wall = {name: [] for name in names}
+    cpu = {name: [] for name in names}
+    for call in calls.values():
+        call()
+    for index in range(rounds):
+        for name in names if index % 2 == 0 else reversed(names):
+            started, cpu_started = time.perf_counter(), time.process_time()
+            calls[name]()
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - cpu_started)
+    return {name: {"wall_s": spread(wall[name]), "cpu_s": spread(cpu[name])} for name in names}
+
+
 def report(suite: str, measured: str, against: str, ratio: float, **figures) -> None:
     """Print one line a person can read and keep the figures for the results file."""
     print(f"\n[{suite}] {measured} vs {against}: ratio {ratio:.2f} {json.dumps(figures)}")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import FULL, report, spread
+from benchlib import FULL, report, taking_turns
 from workloads import make_workload
 
 from semif_serve.scoring import ScoringModel, score, score_shared
@@ -55,23 +55,6 @@ def in_bfloat16(scoring_model: ScoringModel) -> ScoringModel:
     model = copy.deepcopy(scoring_model.model).to(torch.bfloat16).eval()
     info = dataclasses.replace(scoring_model.info, dtype="bfloat16")
     return ScoringModel(model=model, tokenizer=scoring_model.tokenizer, info=info)
-
-
-def taking_turns(calls: dict, rounds: int) -> dict:
-    """Wall and CPU seconds of each call over `rounds`, after one warm-up each; the calls run in
-    turn, the first of each round alternating, so drift and load fall on all of them."""
-    names = list(calls)
-    wall = {name: [] for name in names}
-    cpu = {name: [] for name in names}
-    for call in calls.values():
-        call()
-    for index in range(rounds):
-        for name in names if index % 2 == 0 else reversed(names):
-            started, cpu_started = time.perf_counter(), time.process_time()
-            calls[name]()
-            wall[name].append(time.perf_counter() - started)
-            cpu[name].append(time.process_time() - cpu_started)
-    return {name: {"wall_s": spread(wall[name]), "cpu_s": spread(cpu[name])} for name in names}
 
 
 def ratios(times: dict) -> dict:

@@ -176,10 +176,13 @@ def test_the_cpu_flags_are_the_first_processors(tmp_path):
 
 
 def test_the_machines_own_flags_choose_the_cpu_default(monkeypatch):
+    """For the server and for `score`, `evaluate` and `calibrate` run locally (`default_dtype`)."""
+    cpu = {"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"}
     monkeypatch.setattr(config, "read_cpu_flags", lambda: frozenset({"amx_bf16"}))
-    assert Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"}).dtype == "bfloat16"
+    assert Settings.from_env(cpu).dtype == config.default_dtype("cpu") == "bfloat16"
     monkeypatch.setattr(config, "read_cpu_flags", lambda: frozenset({"avx2"}))
-    assert Settings.from_env({"SEMIF_API_TOKEN": TOKEN, "SEMIF_DEVICE": "cpu"}).dtype == "float32"
+    assert Settings.from_env(cpu).dtype == config.default_dtype("cpu") == "float32"
+    assert config.default_dtype("cuda") == config.default_dtype("cuda:1") == "bfloat16"
 
 
 def test_the_prefix_cache_budget_defaults_by_device_and_takes_0_to_1024_gib():

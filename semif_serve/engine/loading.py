@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from semif_serve.engine import builtin, snapshot_manifest
-from semif_serve.scoring import invariant
+from semif_serve.scoring import invariant as invariant_numerics
 from semif_serve.scoring.head import UnsupportedModel
 from semif_serve.scoring.model import ModelInfo, ScoringModel
 from semif_serve.scoring.prefix_attention import ATTENTION_NAME as PREFIX_ATTENTION
@@ -50,11 +50,13 @@ def load_model(
     device: str = "cpu",
     cache_dir: Path | None = None,
     hub_cache_dir: Path | None = None,
+    invariant: bool = True,
 ) -> ScoringModel:
     """Load `source` onto `device` in `dtype`, in eval mode, with no network access.
 
     `cache_dir` holds converted built-in snapshots; `hub_cache_dir` overrides the HF cache
-    folder that model ids are read from.
+    folder that model ids are read from. `invariant=False` keeps the stock kernels on the CPU
+    (the bench that measures what the invariant numerics cost; see `ScoringModel`).
     """
     torch_dtype = parse_dtype(dtype)
     parse_device(device)
@@ -76,7 +78,8 @@ def load_model(
     check_files_unchanged(source, located, before)
     model.to(device)
     model.eval()
-    invariant.install(model)  # before `info` names its attention (ScoringModel would, after)
+    if invariant:  # before `info` names its attention (ScoringModel would, after)
+        invariant_numerics.install(model)
     info = ModelInfo(
         source=source,
         revision=located.revision,
@@ -85,7 +88,7 @@ def load_model(
         attention=attention_implementation(model),
     )
     try:
-        return ScoringModel(model=model, tokenizer=tokenizer, info=info)
+        return ScoringModel(model=model, tokenizer=tokenizer, info=info, invariant=invariant)
     except UnsupportedModel as error:  # a head whose final logits no batched path reproduces
         raise ModelLoadError(f"{source}: {error}") from None
 
