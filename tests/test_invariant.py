@@ -126,7 +126,9 @@ def test_every_sdpa_call_has_whole_query_and_key_blocks(monkeypatch):
     real = F.scaled_dot_product_attention
 
     def recording(query, key, value, attn_mask=None, **kwargs):
-        calls.append((query.shape[2], key.shape[2], attn_mask[0, 0, 0].nonzero().min().item()))
+        calls.append(
+            (query.shape[2], key.shape[2], (attn_mask[0, 0, 0] == 0).nonzero().min().item())
+        )
         return real(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(module.F, "scaled_dot_product_attention", recording)
@@ -221,3 +223,19 @@ def test_the_sdpa_calls_keep_torchs_blocks_fixed():
     """torch's CPU flash attention: 32-query blocks below 192 queries; its key block is 512."""
     assert SDPA_CALL % SDPA_QUERIES == 0 and SDPA_CALL < 192 and SDPA_QUERIES == 32
     assert SDPA_BLOCK == 512 and KEY_BLOCK % 16 == 0
+
+
+def test_a_forwards_layers_share_one_layout_and_another_mask_gets_its_own():
+    """The model passes one mask object to all its layers: its layout (padding, bias, calls) is
+    made once; a new mask object, or the same one at another position, gets a new layout."""
+    from semif_serve.scoring.invariant_attention import _layout
+
+    mask = causal(40, 40).clone()
+    first = _layout(mask, mask, 0, torch.float32)
+    assert _layout(mask, mask, 0, torch.float32) is first
+    assert _layout(mask, mask, 7, torch.float32) is not first
+    other = mask.clone()
+    assert _layout(other, other, 0, torch.float32) is not first
+    assert _layout(None, mask, 0, torch.float32) is not _layout(None, mask, 0, torch.float32)
+    assert first.bias.shape == (1, 1, 64, SDPA_BLOCK) and first.extra == 24
+    assert torch.equal(first.bias[0, 0, :40, :40] == 0, mask[0, 0])

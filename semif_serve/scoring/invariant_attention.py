@@ -16,6 +16,9 @@ computes a tensor's tail elements with the scalar function, which may round diff
 
 from __future__ import annotations
 
+import math
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +54,7 @@ def invariant_attention(
     mask = _boolean_mask(attention_mask, rows, queries, keys, query.device)
     start = _first_key_position(kwargs.get("position_ids"), queries, keys)
     if softcap is None:
-        output = _sdpa_tiles(query, key, value, mask, scaling, start)
+        output = _sdpa_tiles(query, key, value, mask, scaling, start, attention_mask)
     else:
         output = _blocked(query, key, value, mask, scaling, softcap, start)
     return output.transpose(1, 2).contiguous(), None
@@ -80,39 +83,70 @@ def _blocked(query, key, value, mask, scaling, softcap, start) -> torch.Tensor:
     return output.reshape(rows, heads, queries, width).to(query.dtype)
 
 
-def _sdpa_tiles(query, key, value, mask, scaling, start) -> torch.Tensor:
-    """SDPA over keys aligned to SDPA_BLOCK positions, queries padded to whole SDPA_QUERIES
-    blocks (a padding query sees the first real key: no row without a key), SDPA_CALL queries a
-    call over the blocks they may see; (n, heads, Lq, d)."""
-    rows, heads, queries, width = query.shape
+@dataclass(frozen=True)
+class _Layout:
+    """How `_sdpa_tiles` lays out one forward's attention: the same for each of its layers."""
+
+    before: int  # masked keys before the first, to align it to its position in a block
+    after: int  # masked keys after the last, to end on a whole block
+    extra: int  # padding queries, to end on a whole SDPA_QUERIES block
+    bias: torch.Tensor  # (rows, 1, queries + extra, keys padded): 0 may attend, -inf not
+    calls: tuple[tuple[slice, slice], ...]  # (queries, keys) of each SDPA call
+
+
+_LAYOUT = threading.local()  # the last layout made in this thread, and what it was made from
+
+
+def _layout(source, mask, start, dtype) -> _Layout:
+    """The layout of `mask` (rows, 1, Lq, Lk) whose first key sits at `start`, reusing the last
+    one this thread made when the model passes the same mask object again (its next layer)."""
+    made_from = (start, tuple(mask.shape), dtype)
+    last = getattr(_LAYOUT, "last", None)
+    if source is not None and last is not None and last[0] is source and last[1] == made_from:
+        return last[2]
+    rows, _, queries, keys = mask.shape
     before = start % SDPA_BLOCK
-    after = -(before + key.shape[2]) % SDPA_BLOCK
-    key = F.pad(key, (0, 0, before, after))
-    value = F.pad(value, (0, 0, before, after))
+    after = -(before + keys) % SDPA_BLOCK
     mask = F.pad(mask, (before, after), value=False)
     extra = -queries % SDPA_QUERIES
     if extra:
-        query = F.pad(query, (0, 0, 0, extra))
         seen = mask.new_zeros((rows, 1, extra, mask.shape[3]))
-        seen[..., before] = True
+        seen[..., before] = True  # a padding query sees the first real key: no empty row
         mask = torch.cat([mask, seen], dim=2)
     blocks_seen = mask.reshape(rows, -1, mask.shape[3] // SDPA_BLOCK, SDPA_BLOCK).any(dim=-1)
-    outputs = []
-    for first in range(0, query.shape[2], SDPA_CALL):
+    calls = []
+    for first in range(0, queries + extra, SDPA_CALL):
         queries_in = slice(first, first + SDPA_CALL)
         visible = blocks_seen[:, queries_in].any(dim=1).any(dim=0).nonzero()
         blocks = int(visible.max()) + 1 if len(visible) else 1
-        keys_in = slice(0, blocks * SDPA_BLOCK)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, queries_in],
-                key[:, :, keys_in],
-                value[:, :, keys_in],
-                attn_mask=mask[:, :, queries_in, keys_in],
-                scale=scaling,
-                enable_gqa=heads != key.shape[1],
-            )
+        calls.append((queries_in, slice(0, blocks * SDPA_BLOCK)))
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+    layout = _Layout(before, after, extra, bias, tuple(calls))
+    _LAYOUT.last = (source, made_from, layout)
+    return layout
+
+
+def _sdpa_tiles(query, key, value, mask, scaling, start, source=None) -> torch.Tensor:
+    """SDPA over keys aligned to SDPA_BLOCK positions, queries padded to whole SDPA_QUERIES
+    blocks, SDPA_CALL queries a call over the blocks they may see (`_layout`; `source`: the
+    mask object the model passed, None when there was none); (n, heads, Lq, d)."""
+    heads, queries = query.shape[1], query.shape[2]
+    layout = _layout(source, mask, start, query.dtype)
+    key = F.pad(key, (0, 0, layout.before, layout.after))
+    value = F.pad(value, (0, 0, layout.before, layout.after))
+    if layout.extra:
+        query = F.pad(query, (0, 0, 0, layout.extra))
+    outputs = [
+        F.scaled_dot_product_attention(
+            query[:, :, queries_in],
+            key[:, :, keys_in],
+            value[:, :, keys_in],
+            attn_mask=layout.bias[:, :, queries_in, keys_in],
+            scale=scaling,
+            enable_gqa=heads != key.shape[1],
         )
+        for queries_in, keys_in in layout.calls
+    ]
     return torch.cat(outputs, dim=2)[:, :, :queries]
 
 
