@@ -18,7 +18,7 @@ unchanged; its masks come from the same SDPA mask function.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -68,40 +68,30 @@ class SuffixOnlyLayer(DynamicLayer):
         return key_states, value_states
 
 
-def prefix_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Stock SDPA attention; inside `attending_to`, over the shared prefix plus each row's own keys.
+def joining(kernel: Callable[..., tuple[torch.Tensor, None]]) -> Callable[..., Any]:
+    """An attention function: `kernel` (transformers' signature) as it is; inside
+    `attending_to`, over the shared prefix plus each row's own keys.
 
     query (n, heads, L, d); key/value: the rows' own (n, kv_heads, L, d); attention_mask: a
     boolean (n, 1, L, L) mask over the own keys (True = may attend). Returns (n, L, heads, d).
     """
-    return _joined(
-        sdpa_attention_forward, module, query, key, value, attention_mask, dropout, scaling, kwargs
-    )
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        return _joined(kernel, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+    return attention
 
 
-def invariant_prefix_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """`prefix_attention` with `invariant.invariant_attention` as its kernel."""
-    return _joined(
-        invariant_attention, module, query, key, value, attention_mask, dropout, scaling, kwargs
-    )
+prefix_attention = joining(sdpa_attention_forward)  # stock SDPA, with the prefix when shared
 
 
 def _joined(kernel, module, query, key, value, attention_mask, dropout, scaling, kwargs):
@@ -140,7 +130,7 @@ def _joined(kernel, module, query, key, value, attention_mask, dropout, scaling,
 AttentionInterface.register(ATTENTION_NAME, prefix_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 # The invariant numerics' attention joins a shared prefix the same way (`invariant.install`).
-AttentionInterface.register(INVARIANT_ATTENTION, invariant_prefix_attention)
+AttentionInterface.register(INVARIANT_ATTENTION, joining(invariant_attention))
 
 
 def enable_prefix_attention(model: Any) -> bool:
