@@ -225,10 +225,13 @@ def test_the_sdpa_calls_keep_torchs_blocks_fixed():
     assert SDPA_BLOCK == 512 and KEY_BLOCK % 16 == 0
 
 
-def test_a_forwards_layers_share_one_layout_and_another_mask_gets_its_own():
+def test_a_forwards_layers_share_one_layout_dropped_with_its_mask():
     """The model passes one mask object to all its layers: its layout (padding, bias, calls) is
-    made once; a new mask object, or the same one at another position, gets a new layout."""
-    from semif_serve.scoring.invariant_attention import _layout
+    made once; a new mask object, or the same one at another position, gets a new layout; and
+    none outlives its mask (a server's threads would otherwise each hold their last one)."""
+    import gc
+
+    from semif_serve.scoring.invariant_attention import _LAYOUTS, _layout
 
     mask = causal(40, 40).clone()
     first = _layout(mask, mask, 0, torch.float32)
@@ -239,3 +242,8 @@ def test_a_forwards_layers_share_one_layout_and_another_mask_gets_its_own():
     assert _layout(None, mask, 0, torch.float32) is not _layout(None, mask, 0, torch.float32)
     assert first.bias.shape == (1, 1, 64, SDPA_BLOCK) and first.extra == 24
     assert torch.equal(first.bias[0, 0, :40, :40] == 0, mask[0, 0])
+    kept = {id(mask), id(other)}
+    assert kept <= set(_LAYOUTS)
+    del mask, other
+    gc.collect()
+    assert not kept & set(_LAYOUTS)

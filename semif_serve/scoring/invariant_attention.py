@@ -17,7 +17,7 @@ computes a tensor's tail elements with the scalar function, which may round diff
 from __future__ import annotations
 
 import math
-import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,16 +94,18 @@ class _Layout:
     calls: tuple[tuple[slice, slice], ...]  # (queries, keys) of each SDPA call
 
 
-_LAYOUT = threading.local()  # the last layout made in this thread, and what it was made from
+# id(mask object) -> (a weak reference to it, what the layout was made from, the layout): a
+# forward's layers share one layout, which is dropped when the forward drops its mask.
+_LAYOUTS: dict[int, tuple[weakref.ref, tuple, _Layout]] = {}
 
 
 def _layout(source, mask, start, dtype) -> _Layout:
-    """The layout of `mask` (rows, 1, Lq, Lk) whose first key sits at `start`, reusing the last
-    one this thread made when the model passes the same mask object again (its next layer)."""
+    """The layout of `mask` (rows, 1, Lq, Lk) whose first key sits at `start`; the one made
+    before when the model passes the same mask object (`source`) again, for its next layer."""
     made_from = (start, tuple(mask.shape), dtype)
-    last = getattr(_LAYOUT, "last", None)
-    if source is not None and last is not None and last[0] is source and last[1] == made_from:
-        return last[2]
+    kept = None if source is None else _LAYOUTS.get(id(source))
+    if kept is not None and kept[0]() is source and kept[1] == made_from:
+        return kept[2]
     rows, _, queries, keys = mask.shape
     before = start % SDPA_BLOCK
     after = -(before + keys) % SDPA_BLOCK
@@ -122,7 +124,9 @@ def _layout(source, mask, start, dtype) -> _Layout:
         calls.append((queries_in, slice(0, blocks * SDPA_BLOCK)))
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
     layout = _Layout(before, after, extra, bias, tuple(calls))
-    _LAYOUT.last = (source, made_from, layout)
+    if source is not None:
+        _LAYOUTS[id(source)] = (weakref.ref(source), made_from, layout)
+        weakref.finalize(source, _LAYOUTS.pop, id(source), None)
     return layout
 
 
