@@ -3,9 +3,12 @@
 1. Encode every row's full prompt and the shared state prefix (`shared_prompts.encode_shared`):
    each row is scored on exactly the token ids the direct scorer would see.
 2. Prefill the prefix once (batch 1; `prefill.py`).
-3. Attention-only models (`packed.forward_packed`): all suffixes in ONE row after that one prefix
-   cache, with a block mask and per-suffix position ids. Models with linear-attention layers
-   (`_forward`): copy the cache to n rows (`replicate_cache`) and feed the suffixes right-padded,
+3. Attention-only models on the stock kernels (`packed.forward_packed`): all suffixes in ONE row
+   after that one prefix cache, with a block mask and per-suffix position ids. Models with
+   linear-attention layers, and every model on the CPU's invariant numerics (whose attention
+   needs each suffix's keys where its direct prompt has them; `invariant.py`) (`_forward`):
+   one prefix copy joined per row (`prefix_attention`) or the cache copied to n rows
+   (`replicate_cache`), the suffixes right-padded,
    with position ids continuing from the prefix and a mask over prefix + real suffix tokens;
    right padding keeps the recurrent layers exact (a row's real tokens never see its padding).
 4. Read each row's logits at its own last real token.
