@@ -102,10 +102,8 @@ def letter_logits(
     widest = max(counts)
     padded = [ids + [0] * (widest - len(ids)) for ids in (p.letter_token_ids for p in prompts)]
     letters = hidden.new_tensor(padded, dtype=torch.long)  # on hidden's device
-    head = model.get_output_embeddings()
-    weights = head.weight[letters].float()  # (rows, letters, hidden)
+    # (rows, letters, hidden); the output embedding of every class in POST_PROCESSING has no bias
+    weights = model.get_output_embeddings().weight[letters].float()
     gathered = (hidden.float()[:, None, :] * weights).sum(dim=-1)
-    if head.bias is not None:
-        gathered = gathered + head.bias[letters].float()
     final = POST_PROCESSING[type(model).__name__](model, gathered).float().cpu()
     return [final[row, :count] for row, count in enumerate(counts)]
