@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tiny_models import byte_tokenizer, tiny_llama
 
 from semif_serve.scoring import ModelInfo, ScoringModel
+from semif_serve.scoring import invariant_attention as module
 from semif_serve.scoring.invariant import (
     MIN_ROWS,
     TILE_ROWS,
@@ -75,14 +76,23 @@ def test_the_attention_computes_what_sdpa_computes(keys, softcap):
     )
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0])  # SDPA's calls; the blocked kernel
+@pytest.mark.parametrize(
+    ("softcap", "sdpa_probe"),
+    [(None, None), (30.0, None), (None, False)],
+    ids=["sdpa", "blocked-softcap", "blocked-where-sdpa-varies"],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_row_gets_the_same_bits_alone_or_among_others(dtype, softcap):
+def test_a_query_row_gets_the_same_bits_alone_or_among_others(
+    dtype, softcap, sdpa_probe, monkeypatch
+):
     """The last query of a 300-key prompt: in a full causal forward, as the only query over the
     same keys, among 3 other rows whose keys run 500 long (padding masked), and over keys cut
     at position 137 by a sliding-window cache (positions given, as the models pass them)."""
     keys = 300
     query, key, value = (tensors(1, 4, keys, HEAD, seed=s, dtype=dtype) for s in (1, 2, 3))
+
+    if sdpa_probe is not None:  # a CPU whose SDPA the probe found varying: the blocked kernel
+        monkeypatch.setattr(module, "sdpa_is_invariant", lambda *shape: sdpa_probe)
 
     def capped(*args, **kwargs):
         return attend(*args, softcap=softcap, **kwargs)
@@ -120,8 +130,6 @@ def test_every_sdpa_call_has_whole_query_and_key_blocks(monkeypatch):
     """700 queries over 900 keys starting at position 300 (a cut cache): calls of at most
     SDPA_CALL queries in whole 32-query blocks, keys in whole 512-key blocks aligned to
     position 0, each call over the blocks its queries may see (the first: positions < 1024)."""
-    from semif_serve.scoring import invariant_attention as module
-
     calls = []
     real = F.scaled_dot_product_attention
 
@@ -133,8 +141,8 @@ def test_every_sdpa_call_has_whole_query_and_key_blocks(monkeypatch):
 
     monkeypatch.setattr(module.F, "scaled_dot_product_attention", recording)
     query, key, value = (tensors(1, 2, n, HEAD, seed=s) for s, n in ((1, 700), (2, 900), (3, 900)))
-    positions = torch.arange(500, 1200)[None]
-    attend(query, key, value, causal(700, 900), position_ids=positions)
+    out = module._sdpa_tiles(query, key, value, causal(700, 900), HEAD**-0.5, 300)
+    assert out.shape == (1, 2, 700, HEAD)
     assert [queries for queries, _, _ in calls] == [SDPA_CALL] * 4 + [64]  # 700 -> 704 queries
     assert all(keys % SDPA_BLOCK == 0 for _, keys, _ in calls)
     assert calls[0][1] == 2 * SDPA_BLOCK and calls[-1][1] == 3 * SDPA_BLOCK
@@ -247,3 +255,20 @@ def test_a_forwards_layers_share_one_layout_dropped_with_its_mask():
     del mask, other
     gc.collect()
     assert not kept & set(_LAYOUTS)
+
+
+def test_the_probe_finds_an_sdpa_whose_rows_depend_on_the_call(monkeypatch):
+    """A kernel that rounds a row by how many queries share its call (as torch's does when its
+    query blocks change with the count) fails the probe, which then sends attention to the
+    blocked kernel; this machine's real SDPA is what the probe answered for it."""
+    real = F.scaled_dot_product_attention
+
+    def varying(query, key, value, **kwargs):
+        return real(query, key, value, **kwargs) * (1 + query.shape[2] * 1e-3)
+
+    module.sdpa_is_invariant.cache_clear()
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", varying)
+    try:
+        assert module.sdpa_is_invariant(torch.float32, 4, 2, HEAD) is False
+    finally:
+        module.sdpa_is_invariant.cache_clear()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -53,11 +54,48 @@ def invariant_attention(
     scaling = width**-0.5 if scaling is None else scaling
     mask = _boolean_mask(attention_mask, rows, queries, keys, query.device)
     start = _first_key_position(kwargs.get("position_ids"), queries, keys)
-    if softcap is None:
+    kv_heads = key.shape[1]
+    if softcap is None and sdpa_is_invariant(query.dtype, heads, kv_heads, width):
         output = _sdpa_tiles(query, key, value, mask, scaling, start, attention_mask)
     else:
         output = _blocked(query, key, value, mask, scaling, softcap, start)
     return output.transpose(1, 2).contiguous(), None
+
+
+@cache
+def sdpa_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int, width: int) -> bool:
+    """Whether `_sdpa_tiles` gives a query row the same bits on this CPU whatever the call holds,
+    probed once per dtype and head shape: the last 100 of 700 causal queries alone, inside all
+    700, and as the second row of a batch whose other row runs 900 keys (its own padded). torch's
+    kernels differ by CPU (oneDNN packs keys on AMX); where the probe fails, `_blocked` runs
+    instead, whose invariance rests on `invariant.row_policy`'s own probe."""
+    generator = torch.Generator().manual_seed(heads * 131 + width)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    query, key, value = (
+        draw(1, heads, 700, width),
+        draw(1, kv_heads, 700, width),
+        draw(1, kv_heads, 700, width),
+    )
+    scale = width**-0.5
+    with torch.inference_mode():
+        whole = _sdpa_tiles(query, key, value, _boolean_mask(None, 1, 700, 700, "cpu"), scale, 0)
+        tail = _sdpa_tiles(
+            query[:, :, 600:], key, value, _boolean_mask(None, 1, 100, 700, "cpu"), scale, 0
+        )
+        others = (
+            draw(2, heads, 900, width),
+            draw(2, kv_heads, 900, width),
+            draw(2, kv_heads, 900, width),
+        )
+        for batch, mine in zip(others, (query, key, value)):
+            batch[1, :, :700] = mine[0]
+        mask = _boolean_mask(None, 2, 900, 900, "cpu").clone()
+        mask[1, :, :, 700:] = False  # the second row is padding after its 700 tokens
+        batched = _sdpa_tiles(*others, mask, scale, 0)
+    return torch.equal(whole[:, :, 600:], tail) and torch.equal(batched[1:, :, :700], whole)
 
 
 def _blocked(query, key, value, mask, scaling, softcap, start) -> torch.Tensor:
