@@ -178,22 +178,19 @@ def default_dtype_for(device: str, cpu_flags: frozenset[str]) -> str:
     """bfloat16 on GPUs and on CPUs that compute it natively; float32 on other CPUs, where
     bfloat16 is emulated and ~5.7x slower. The CPU's invariant numerics make bfloat16's paths
     agree bit for bit (docs/performance.md, "Batch-invariant numerics")."""
-    if device != "cpu" or cpu_flags & NATIVE_BFLOAT16_FLAGS:
-        return "bfloat16"
-    return "float32"
+    native = bool(cpu_flags & NATIVE_BFLOAT16_FLAGS)
+    return "bfloat16" if device != "cpu" or native else "float32"
 
 
 def default_dtype(device: str) -> str:
     """`semif-serve serve`'s dtype on `device` ("cpu", "cuda", "cuda:N") on this machine."""
-    if device == "cpu":
-        return default_dtype_for("cpu", read_cpu_flags())
-    return default_dtype_for("cuda", frozenset())
+    return default_dtype_for(device, read_cpu_flags() if device == "cpu" else frozenset())
 
 
 def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     """The first processor's `flags` in /proc/cpuinfo; empty when there is none to read."""
     try:
-        text = cpuinfo.read_text(errors="replace")
+        text = cpuinfo.read_bytes().decode("ascii", "replace")  # a stray byte names no flag
     except OSError:
         return frozenset()
     for line in text.splitlines():

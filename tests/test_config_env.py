@@ -165,9 +165,9 @@ def test_the_cpu_device_defaults_to_bfloat16_where_native_and_does_not_require_f
 
 def test_the_cpu_flags_are_the_first_processors(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
-        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx512f avx512_bf16\n\n"
-        "processor\t: 1\nflags\t\t: fpu\n"
+    cpuinfo.write_bytes(
+        b"processor\t: 0\nmodel name\t: AMD EPYC\xae\nflags\t\t: fpu avx512f avx512_bf16\n\n"
+        b"processor\t: 1\nflags\t\t: fpu\n"
     )
     assert config.read_cpu_flags(cpuinfo) == {"fpu", "avx512f", "avx512_bf16"}
     cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # an Arm machine's
