@@ -170,6 +170,8 @@ def test_the_cpu_flags_are_the_first_processors(tmp_path):
         b"processor\t: 1\nflags\t\t: fpu\n"
     )
     assert config.read_cpu_flags(cpuinfo) == {"fpu", "avx512f", "avx512_bf16"}
+    cpuinfo.write_text("flags\t\t: fpu x:y\n")  # the value is all after the first colon
+    assert config.read_cpu_flags(cpuinfo) == {"fpu", "x:y"}
     cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # an Arm machine's
     assert config.read_cpu_flags(cpuinfo) == frozenset()
     assert config.read_cpu_flags(tmp_path / "missing") == frozenset()
