@@ -184,7 +184,7 @@ def default_dtype_for(device: str, cpu_flags: frozenset[str]) -> str:
 
 def default_dtype(device: str) -> str:
     """`semif-serve serve`'s dtype on `device` ("cpu", "cuda", "cuda:N") on this machine."""
-    return default_dtype_for(device, read_cpu_flags() if device == "cpu" else frozenset())
+    return default_dtype_for(device, read_cpu_flags())  # (the flags matter on the CPU only)
 
 
 def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
