@@ -27,6 +27,7 @@ import torch
 from benchlib import FULL, report, taking_turns
 from workloads import make_workload
 
+from semif_serve import config
 from semif_serve.scoring import ScoringModel, score, score_shared
 from semif_serve.scoring.prefix_cache import GIB, PrefixCache
 
@@ -36,13 +37,8 @@ LABELS = ("gold", "family", "group", "source_id", "variant")
 
 
 def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 in hardware: /proc/cpuinfo lists avx512_bf16 or
-    amx_bf16 (torch's get_cpu_capability() says "AVX512" with or without them)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_bytes().decode(errors="replace").split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    """Whether this CPU computes bfloat16 in hardware (what the server's dtype default reads)."""
+    return bool(config.read_cpu_flags() & config.NATIVE_BFLOAT16_FLAGS)
 
 
 def in_bfloat16(scoring_model: ScoringModel) -> ScoringModel:

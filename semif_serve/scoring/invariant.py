@@ -70,8 +70,7 @@ def _by_rows(multiply, rows: torch.Tensor, tile: int | None) -> torch.Tensor:
     """multiply(rows) computed at least MIN_ROWS at a time (tile None) or in tiles of exactly
     `tile` rows, padding rows being zeros and dropped from the result."""
     count = rows.shape[0]
-    size = MIN_ROWS if tile is None else tile
-    padded = max(size, -(-count // size) * size) if tile is not None else max(count, MIN_ROWS)
+    padded = max(count, MIN_ROWS) if tile is None else max(1, -(-count // tile)) * tile
     if padded > count:
         rows = torch.cat([rows, rows.new_zeros((padded - count, *rows.shape[1:]))])
     if tile is None:
