@@ -27,7 +27,6 @@ from semif_serve.scoring.invariant_attention import (
     ATTENTION_NAME,
     KEY_BLOCK,
     SDPA_BLOCK,
-    SDPA_CALL,
     SDPA_QUERIES,
     _exp,
     invariant_attention,
@@ -126,16 +125,17 @@ def test_a_query_row_gets_the_same_bits_alone_or_among_others(
     assert torch.equal(window, window_reference)
 
 
-def test_every_sdpa_call_has_whole_query_and_key_blocks(monkeypatch):
-    """700 queries over 900 keys starting at position 300 (a cut cache): calls of at most
-    SDPA_CALL queries in whole 32-query blocks, keys in whole 512-key blocks aligned to
-    position 0, each call over the blocks its queries may see (the first: positions < 1024)."""
+def test_every_sdpa_call_is_one_query_block_over_the_keys_its_positions_fix(monkeypatch):
+    """700 queries at positions 500..1199 over 900 keys starting at position 300 (a cut cache):
+    one call per 32-query block aligned to positions (500 is 20 into its block: 20 padding
+    queries lead, 4 trail), over the keys from position 0 (the block holding the first key)
+    through the block's last position; the first real key at its position in the block."""
     calls = []
     real = F.scaled_dot_product_attention
 
     def recording(query, key, value, attn_mask=None, **kwargs):
         calls.append(
-            (query.shape[2], key.shape[2], (attn_mask[0, 0, 0] == 0).nonzero().min().item())
+            (query.shape[2], key.shape[2], (attn_mask[0, 0, -1] == 0).nonzero().min().item())
         )
         return real(query, key, value, attn_mask=attn_mask, **kwargs)
 
@@ -143,10 +143,33 @@ def test_every_sdpa_call_has_whole_query_and_key_blocks(monkeypatch):
     query, key, value = (tensors(1, 2, n, HEAD, seed=s) for s, n in ((1, 700), (2, 900), (3, 900)))
     out = module._sdpa_tiles(query, key, value, causal(700, 900), HEAD**-0.5, 300)
     assert out.shape == (1, 2, 700, HEAD)
-    assert [queries for queries, _, _ in calls] == [SDPA_CALL] * 4 + [64]  # 700 -> 704 queries
-    assert all(keys % SDPA_BLOCK == 0 for _, keys, _ in calls)
-    assert calls[0][1] == 2 * SDPA_BLOCK and calls[-1][1] == 3 * SDPA_BLOCK
-    assert calls[0][2] == 300  # the first real key sits at its position within the block
+    assert [queries for queries, _, _ in calls] == [SDPA_QUERIES] * 23  # 20 + 700 + 16 = 736
+    assert [keys for _, keys, _ in calls] == [480 + 32 * block + 32 for block in range(23)]
+    assert all(first == 300 for _, _, first in calls)
+    reference = module._blocked(query, key, value, causal(700, 900), HEAD**-0.5, None, 300)
+    torch.testing.assert_close(out, reference)
+
+
+def test_a_call_starts_at_the_first_key_block_its_queries_may_see(monkeypatch):
+    """A sliding window: the queries of the last blocks see none of the first 512-key block,
+    so their calls leave it out (a whole block: their sums do not change)."""
+    keys_seen = []
+    real = F.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        keys_seen.append(key.shape[2])
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", recording)
+    query, key, value = (tensors(1, 2, 800, HEAD, seed=s) for s in (1, 2, 3))
+    positions = torch.arange(800)
+    window = causal(800, 800) & (positions[None, :] > positions[:, None] - 100)[None, None]
+    out = module._sdpa_tiles(query, key, value, window, HEAD**-0.5, 0)
+    assert keys_seen[:16] == [32 * (block + 1) for block in range(16)]  # through position 511
+    assert keys_seen[19] == 640  # its first query (608) sees key 509: from the first block
+    assert keys_seen[-1] == 800 - 512  # the last (768..799) sees from 669: from the second
+    reference = module._blocked(query, key, value, window, HEAD**-0.5, None, 0)
+    torch.testing.assert_close(out, reference)
 
 
 def test_a_row_that_may_see_no_key_gets_zeros_not_nan():
@@ -229,8 +252,7 @@ def test_a_model_on_another_attention_kernel_is_left_as_it_is():
 
 def test_the_sdpa_calls_keep_torchs_blocks_fixed():
     """torch's CPU flash attention: 32-query blocks below 192 queries; its key block is 512."""
-    assert SDPA_CALL % SDPA_QUERIES == 0 and SDPA_CALL < 192 and SDPA_QUERIES == 32
-    assert SDPA_BLOCK == 512 and KEY_BLOCK % 16 == 0
+    assert SDPA_QUERIES == 32 and SDPA_BLOCK == 512 and KEY_BLOCK % 16 == 0
 
 
 def test_a_forwards_layers_share_one_layout_dropped_with_its_mask():
@@ -248,7 +270,8 @@ def test_a_forwards_layers_share_one_layout_dropped_with_its_mask():
     other = mask.clone()
     assert _layout(other, other, 0, torch.float32) is not first
     assert _layout(None, mask, 0, torch.float32) is not _layout(None, mask, 0, torch.float32)
-    assert first.bias.shape == (1, 1, 64, SDPA_BLOCK) and first.extra == 24
+    assert first.bias.shape == (1, 1, 64, 64) and (first.lead, first.extra) == (0, 24)
+    assert _layout(None, mask[:, :, 30:], 0, torch.float32).lead == 30
     assert torch.equal(first.bias[0, 0, :40, :40] == 0, mask[0, 0])
     kept = {id(mask), id(other)}
     assert kept <= set(_LAYOUTS)
@@ -258,13 +281,13 @@ def test_a_forwards_layers_share_one_layout_dropped_with_its_mask():
 
 
 def test_the_probe_finds_an_sdpa_whose_rows_depend_on_the_call(monkeypatch):
-    """A kernel that rounds a row by how many queries share its call (as torch's does when its
-    query blocks change with the count) fails the probe, which then sends attention to the
+    """A kernel that rounds a row by how many rows share its call (as a kernel that packs its
+    work by the batch would) fails the probe, which then sends attention to the
     blocked kernel; this machine's real SDPA is what the probe answered for it."""
     real = F.scaled_dot_product_attention
 
     def varying(query, key, value, **kwargs):
-        return real(query, key, value, **kwargs) * (1 + query.shape[2] * 1e-3)
+        return real(query, key, value, **kwargs) * (1 + query.shape[0] * 1e-3)
 
     module.sdpa_is_invariant.cache_clear()
     monkeypatch.setattr(module.F, "scaled_dot_product_attention", varying)

@@ -3,13 +3,17 @@ the call holds (other rows, other queries, more keys, keys a sliding-window cach
 
 torch's CPU flash attention splits the keys into blocks of `min(512, keys)` and the queries into
 blocks of 32, 64 or 256 by the call's query count, and a row's sums follow those blocks. So
-`_sdpa_tiles` calls it with every length fixed: keys aligned to SDPA_BLOCK positions (masked
-keys before the first and after the last), whole blocks only, and queries padded to whole
-SDPA_QUERIES blocks, SDPA_CALL (under 192, so torch keeps 32-query blocks) to a call, each call
-over the blocks its queries may see. A block a row may not see changes nothing in its online
-softmax (its weights are exact zeros and its running maximum stays), so the blocks a call skips
-or adds never show. SDPA has no soft-capping: for Gemma2's `_blocked` runs the same online
-softmax itself in float32 over KEY_BLOCK-key blocks, with fixed-width matmuls
+`_sdpa_tiles` gives every query position the same call wherever it runs: the queries are cut
+into SDPA_QUERIES blocks aligned to positions (padding queries fill the first and the last), one
+call a block (under 192 queries, so torch keeps 32-query blocks), over the keys aligned to
+SDPA_BLOCK positions from the first block any of its queries may see through the block's last
+position (masked keys fill what a cache does not hold: before a sliding window's first key,
+after a prefill's last). A query's keys, but for whole blocks it may not see, are then a
+function of its position alone, its blocks fall where they always do, and a block a row may
+not see changes nothing in its online softmax (its weights are exact zeros and its running
+maximum stays). The calls skip what causal masking hides, but for one query block: about the
+work of torch's own causal call. SDPA has no soft-capping: for Gemma2's `_blocked` runs the
+same online softmax itself in float32 over KEY_BLOCK-key blocks, with fixed-width matmuls
 (`invariant.row_policy` for the row count) and exponentials over whole vectors (`_exp`: torch
 computes a tensor's tail elements with the scalar function, which may round differently).
 """
@@ -28,8 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "semif_invariant"
 SDPA_BLOCK = 512  # torch's CPU flash attention's key block (fewer keys: one block of them all)
-SDPA_QUERIES = 32  # its query block for calls of fewer than 192 queries
-SDPA_CALL = 160  # queries per call: whole SDPA_QUERIES blocks, under 192
+SDPA_QUERIES = 32  # queries per call: its query block for calls of fewer than 192 queries
 KEY_BLOCK = 64  # `_blocked`'s key block
 QUERY_TILE = 256  # `_blocked`'s queries per pass
 _VECTOR = 64  # elements: a multiple of every CPU vector width torch uses for float32
@@ -126,9 +129,10 @@ class _Layout:
     """How `_sdpa_tiles` lays out one forward's attention: the same for each of its layers."""
 
     before: int  # masked keys before the first, to align it to its position in a block
-    after: int  # masked keys after the last, to end on a whole block
-    extra: int  # padding queries, to end on a whole SDPA_QUERIES block
-    bias: torch.Tensor  # (rows, 1, queries + extra, keys padded): 0 may attend, -inf not
+    after: int  # masked keys after the last, through the last query block's position
+    lead: int  # padding queries before the first, to align it to its position in a block
+    extra: int  # padding queries after the last, to end on a whole SDPA_QUERIES block
+    bias: torch.Tensor  # (rows, 1, queries padded, keys padded): 0 may attend, -inf not
     calls: tuple[tuple[slice, slice], ...]  # (queries, keys) of each SDPA call
 
 
@@ -138,30 +142,34 @@ _LAYOUTS: dict[int, tuple[weakref.ref, tuple, _Layout]] = {}
 
 
 def _layout(source, mask, start, dtype) -> _Layout:
-    """The layout of `mask` (rows, 1, Lq, Lk) whose first key sits at `start`; the one made
-    before when the model passes the same mask object (`source`) again, for its next layer."""
+    """The layout of `mask` (rows, 1, Lq, Lk) whose first key sits at `start` and whose queries
+    are the last Lq positions; the one made before when the model passes the same mask object
+    (`source`) again, for its next layer."""
     made_from = (start, tuple(mask.shape), dtype)
     kept = None if source is None else _LAYOUTS.get(id(source))
     if kept is not None and kept[0]() is source and kept[1] == made_from:
         return kept[2]
     rows, _, queries, keys = mask.shape
-    before = start % SDPA_BLOCK
-    after = -(before + keys) % SDPA_BLOCK
+    first = start + keys - queries  # the first query's position
+    before, lead = start % SDPA_BLOCK, first % SDPA_QUERIES
+    extra = -(lead + queries) % SDPA_QUERIES
+    blocks = (lead + queries + extra) // SDPA_QUERIES
+    after = (first - lead + blocks * SDPA_QUERIES) - (start + keys)
     mask = F.pad(mask, (before, after), value=False)
-    extra = -queries % SDPA_QUERIES
-    if extra:
-        seen = mask.new_zeros((rows, 1, extra, mask.shape[3]))
-        seen[..., before] = True  # a padding query sees the first real key: no empty row
-        mask = torch.cat([mask, seen], dim=2)
-    blocks_seen = mask.reshape(rows, -1, mask.shape[3] // SDPA_BLOCK, SDPA_BLOCK).any(dim=-1)
-    calls = []
-    for first in range(0, queries + extra, SDPA_CALL):
-        queries_in = slice(first, first + SDPA_CALL)
-        visible = blocks_seen[:, queries_in].any(dim=1).any(dim=0).nonzero()
-        blocks = int(visible.max()) + 1 if len(visible) else 1
-        calls.append((queries_in, slice(0, blocks * SDPA_BLOCK)))
+    padding = mask.new_zeros((rows, 1, 1, mask.shape[3]))
+    padding[..., before] = True  # a padding query sees the first real key: no empty row
+    mask = torch.cat([padding.expand(-1, -1, lead, -1), mask, padding.expand(-1, -1, extra, -1)], 2)
+    # The keys each query block's last query may see, from the first whole SDPA_BLOCK block
+    # any of its queries sees (the blocks before it are masked for all of them).
+    seen = mask.reshape(rows, blocks, SDPA_QUERIES, -1).any(dim=2).any(dim=0)  # (blocks, keys)
+    from_block = (seen.int().argmax(dim=1) // SDPA_BLOCK * SDPA_BLOCK).tolist()
+    ends = [before + first - start - lead + (block + 1) * SDPA_QUERIES for block in range(blocks)]
+    calls = tuple(
+        (slice(block * SDPA_QUERIES, (block + 1) * SDPA_QUERIES), slice(from_block[block], end))
+        for block, end in enumerate(ends)
+    )
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
-    layout = _Layout(before, after, extra, bias, tuple(calls))
+    layout = _Layout(before, after, lead, extra, bias, calls)
     if source is not None:
         _LAYOUTS[id(source)] = (weakref.ref(source), made_from, layout)
         weakref.finalize(source, _LAYOUTS.pop, id(source), None)
@@ -169,15 +177,14 @@ def _layout(source, mask, start, dtype) -> _Layout:
 
 
 def _sdpa_tiles(query, key, value, mask, scaling, start, source=None) -> torch.Tensor:
-    """SDPA over keys aligned to SDPA_BLOCK positions, queries padded to whole SDPA_QUERIES
-    blocks, SDPA_CALL queries a call over the blocks they may see (`_layout`; `source`: the
-    mask object the model passed, None when there was none); (n, heads, Lq, d)."""
+    """SDPA one SDPA_QUERIES block of query positions a call, over the keys from a whole
+    SDPA_BLOCK through the block's last position (`_layout`; `source`: the mask object the model
+    passed, None when there was none); (n, heads, Lq, d)."""
     heads, queries = query.shape[1], query.shape[2]
     layout = _layout(source, mask, start, query.dtype)
     key = F.pad(key, (0, 0, layout.before, layout.after))
     value = F.pad(value, (0, 0, layout.before, layout.after))
-    if layout.extra:
-        query = F.pad(query, (0, 0, 0, layout.extra))
+    query = F.pad(query, (0, 0, layout.lead, layout.extra))
     outputs = [
         F.scaled_dot_product_attention(
             query[:, :, queries_in],
@@ -189,7 +196,7 @@ def _sdpa_tiles(query, key, value, mask, scaling, start, source=None) -> torch.T
         )
         for queries_in, keys_in in layout.calls
     ]
-    return torch.cat(outputs, dim=2)[:, :, :queries]
+    return torch.cat(outputs, dim=2)[:, :, layout.lead : layout.lead + queries]
 
 
 def _attend_tile(query, key, value, mask, scaling, softcap) -> torch.Tensor:
