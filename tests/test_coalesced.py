@@ -7,6 +7,7 @@ prefill with the cache off."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rows_factory import STATE, make_rows
@@ -374,3 +375,86 @@ def test_requests_with_the_same_prompt_are_one_row_of_the_forward_each_with_its_
 
 def test_a_tokenizer_that_cannot_render_the_probe_rows_has_no_template():
     assert TemplatePrefix.of(None, MAX_TOKENS) is None
+
+
+# --- issue 44: lone cold rows over their states batched, their prefixes stored -----------------
+
+
+def test_lone_cold_rows_run_in_one_forward_and_store_the_prefill_each_would_have_stored(smollm2):
+    """Distinct requests whose state prefixes the cache takes but holds nothing of: one forward
+    over the template (attention-only, invariant numerics), each result the bits it gets alone,
+    each prefix stored from that forward as its own prefill (a later call over it resumes the
+    same keys and values a lone prefill makes, and scores the same bits); a row whose prefix is
+    stored runs alone over it, as before."""
+    from semif_serve.scoring.prefill import prefill
+
+    tokenizer = smollm2.tokenizer
+    template = TemplatePrefix.of(tokenizer, MAX_TOKENS)
+    cache = PrefixCache(1 << 30, min_tokens=16).for_model(("batched-store", "smollm2"))
+    rows = [
+        parse_row(make_rows(1, 2 + k, state=state(40 + k, 9 * k), prefix=f"c{k}")[0])
+        for k in range(3)
+    ]
+    inputs = [direct_input(tokenizer, row, MAX_TOKENS, with_prefix=True) for row in rows]
+    assert all(cache.caches(len(item.prefix_ids)) for item in inputs)
+    batched = score_batch(
+        smollm2, inputs, max_tokens=MAX_TOKENS, prefix_cache=cache, template=template
+    )
+    assert [outcome.rows for outcome in batched] == [3, 3, 3]
+    assert len({id(outcome.forward) for outcome in batched}) == 1
+    stats = cache.stats()
+    assert (stats["entries"], stats["misses"], stats["hits"]) == (3, 3, 0)
+    assert stats["prefilled_tokens"] == sum(len(item.prefix_ids) for item in inputs)
+    for row, outcome in zip(rows, batched):
+        alone = score(smollm2, row, max_tokens=MAX_TOKENS)
+        assert outcome.outcome["option_logits"] == alone["option_logits"]
+        assert outcome.outcome["cache_hit"] is False
+    decoder, config = smollm2.model.get_decoder(), smollm2.model.config
+    for item in inputs:
+        ids = list(item.prefix_ids)
+        with torch.inference_mode():
+            fresh, _ = prefill(decoder, config, ids, decoder.device)
+        with cache.resume(ids, lambda *args: pytest.fail("stored: nothing to prefill")) as (
+            kept,
+            reuse,
+        ):
+            assert reuse.hit
+            for mine, lone in zip(kept.layers, fresh.layers):
+                assert torch.equal(mine.keys, lone.keys) and torch.equal(mine.values, lone.values)
+    again = [
+        parse_row(
+            {
+                **make_rows(1, 2 + k, state=state(40 + k, 9 * k), prefix=f"d{k}")[0],
+                "question": "Is it urgent?",
+            }
+        )
+        for k in range(2)
+    ]
+    inputs = [direct_input(tokenizer, row, MAX_TOKENS, with_prefix=True) for row in again]
+    batched = score_batch(
+        smollm2, inputs, max_tokens=MAX_TOKENS, prefix_cache=cache, template=template
+    )
+    assert [outcome.rows for outcome in batched] == [1, 1]  # each alone over its stored prefix
+    for row, outcome in zip(again, batched):
+        assert outcome.outcome["cache_hit"] is True
+        assert (
+            outcome.outcome["option_logits"]
+            == score(smollm2, row, max_tokens=MAX_TOKENS)["option_logits"]
+        )
+
+
+def test_lone_cold_rows_of_a_hybrid_model_still_prefill_alone(tiny_qwen):
+    """A linear-attention layer's state after a batch forward is its row's end's, not its
+    prefix's: each lone row over a cacheable state runs alone, as before, and stores its own."""
+    tokenizer = tiny_qwen.tokenizer
+    template = TemplatePrefix.of(tokenizer, MAX_TOKENS)
+    cache = PrefixCache(1 << 30, min_tokens=16).for_model(("batched-store", "tiny_qwen"))
+    rows = [
+        parse_row(make_rows(1, 2, state=state(50 + k, 30), prefix=f"q{k}")[0]) for k in range(2)
+    ]
+    inputs = [direct_input(tokenizer, row, MAX_TOKENS, with_prefix=True) for row in rows]
+    batched = score_batch(
+        tiny_qwen, inputs, max_tokens=MAX_TOKENS, prefix_cache=cache, template=template
+    )
+    assert [outcome.rows for outcome in batched] == [1, 1]
+    assert cache.stats()["entries"] == 2

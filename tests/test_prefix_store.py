@@ -533,3 +533,48 @@ def test_entries_shared_by_two_model_ids_go_with_the_last_of_them():
     again = cache.for_model(MODEL)  # loaded again later: counted afresh
     use(cache, [1])
     assert again.close() == ENTRY
+
+
+# -- a prefix stored from a batch's forward (issue 44) -------------------------------------------
+
+
+def test_finds_says_whether_a_call_would_resume_without_counting_or_pinning():
+    cache = PrefixCache(1 << 20, min_tokens=2)
+    assert not cache.finds(MODEL, [1, 2, 3])
+    use(cache, [1, 2, 3])
+    before = cache.stats(MODEL)
+    assert cache.finds(MODEL, [1, 2, 3]) and cache.finds(MODEL, [1, 2, 3, 4])  # hit, grown
+    assert cache.finds(MODEL, [1, 2, 9])  # an attention entry cut at the 2 shared tokens
+    assert not cache.finds(MODEL, [1, 9, 9])  # 1 shared token: under min_tokens
+    assert not cache.finds(OTHER_MODEL, [1, 2, 3]) and not cache.finds(MODEL, [1, 2, 3], "s")
+    assert cache.stats(MODEL) == before
+    assert all(entry.pins == 0 for entry in cache._entries.values())
+    view = cache.for_model(MODEL)
+    assert view.finds([1, 2, 3]) and not view.within("s").finds([1, 2, 3])
+
+
+def test_keep_stores_a_batchs_prefill_as_a_miss_would_and_unpinned():
+    cache = PrefixCache(1 << 20, min_tokens=2)
+    view = cache.for_model(MODEL).within("s")
+    prefill = stored_prefix(4)
+    assert view.keep([1, 2, 3, 4], prefill)
+    assert stored(cache) == [(1, 2, 3, 4)] and cache._entries[(MODEL, "s", (1, 2, 3, 4))].pins == 0
+    stats = cache.stats(MODEL)
+    assert figures(stats) == counts(misses=1, entries=1)
+    assert stats["prefilled_tokens"] == 4
+    assert not view.keep([1, 2, 3, 4], stored_prefix(4))  # stored already: kept once
+    assert cache.stats(MODEL)["entries"] == 1
+    with resume_once(view, None, [1, 2, 3, 4], lambda: stored_prefix(4)) as (_, hit, _):
+        assert hit
+    assert not use(cache, [1, 2, 3, 4])  # another session's entry: not this sessionless call's
+
+
+def test_keep_stores_nothing_it_would_not_cache():
+    cache = PrefixCache(ENTRY - 1, min_tokens=2)
+    assert not cache.keep(MODEL, [1], stored_prefix(4))  # under min_tokens: not even counted
+    assert cache.stats(MODEL)["misses"] == 0
+    assert not cache.keep(MODEL, [1, 2, 3, 4], stored_prefix(4))  # over the budget
+    assert cache.stats(MODEL)["misses"] == 1 and cache.total_bytes == 0
+    sliding = DynamicCache()
+    sliding.layers = [DynamicSlidingWindowLayer(sliding_window=8)]
+    assert not PrefixCache(1 << 20, min_tokens=1).keep(MODEL, [1, 2], sliding)

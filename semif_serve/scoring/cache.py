@@ -9,7 +9,8 @@ copied to n rows. `DynamicCache.batch_repeat_interleave` does not handle `Linear
 the linear-attention layers update their states in place.
 
 `working_copy` gives a call its own cache to consume over a prefix cache that must stay as it is
-(a stored state prefix, or one prefill shared by several suffix forwards); `cache_bytes` is what
+(a stored state prefix, or one prefill shared by several suffix forwards); `row_prefix` cuts one
+row's start out of a batch's cache, to be stored as that row's prefill; `cache_bytes` is what
 a cache holds; `move_to_own_mapping` gives a cache about to be kept its own memory mapping, so
 that the memory goes back to the system when it is evicted (docs/performance.md, "Memory bounded
 by the budget").
@@ -184,6 +185,22 @@ def _layer_copy(
         if count is not None:  # transformers 5.25 on; 5.24 counts its attention layers' tokens
             own = count.clone() if length is None else count.new_tensor(length)
             setattr(twin, LINEAR_COUNTER, own)
+    return twin
+
+
+def row_prefix(cache: Any, row: int, length: int) -> Any | None:
+    """A batch-1 cache of row `row`'s first `length` tokens, cut out of a cache of several rows
+    (its own tensors: the batch's may go); None unless every layer is plain attention (a
+    linear-attention layer holds the state at the row's end, not at `length`)."""
+    if any(_kind(layer) != "attention" for layer in cache.layers):
+        return None
+    twin = copy.copy(cache)
+    twin.layers = []
+    for layer in cache.layers:
+        cut = copy.copy(layer)
+        cut.keys = layer.keys[row : row + 1, :, :length].clone()
+        cut.values = layer.values[row : row + 1, :, :length].clone()
+        twin.layers.append(cut)
     return twin
 
 

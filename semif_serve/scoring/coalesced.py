@@ -11,6 +11,10 @@ A model's scheduler (`runtime/scheduler.py`) hands the batch it chose here as on
   stored one resumed, then every row's suffix), as a shared call over those rows would run, so
   requests over the same state share its prefill, cache or not (rows of different sessions,
   `Row.cache_key`, never share one: each session reuses and stores only its own prefixes);
+- a lone row over a state prefix the cache would take but holds nothing of runs with the plain
+  prompts below, and its prefix is cut out of that forward and stored as its own prefill would
+  have been, when its model is attention-only on the invariant numerics (those keys and values
+  are then a lone prefill's, bit for bit); otherwise it runs alone, to prefill and store it;
 - a `/decide/shared` call (a `SharedInput`) of several rows runs as a unit, never split; one
   of a single row (each ecosystem request of one question) runs as a direct row does, but for
   its result's shape (the shared scorer's, `shared.shared_outcome`);
@@ -33,7 +37,8 @@ from typing import Any
 import torch
 
 from semif_serve.errors import LEFT_BEFORE_FORWARD, ClientGone
-from semif_serve.scoring import shared
+from semif_serve.scoring import invariant, shared
+from semif_serve.scoring.cache import row_prefix
 from semif_serve.scoring.direct import score as score_direct
 from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import Batched, DirectInput, Forward, SharedInput
@@ -72,12 +77,19 @@ def score_batch(
             plain.append(index)
         else:
             by_prefix.setdefault((tuple(item.prefix_ids), item.row.cache_key), []).append(index)
+    keep: dict[int, ModelPrefixCache] = {}  # rows whose batch forward stores their prefix
     for group_key, indices in list(by_prefix.items()):  # (prefix ids, session)
-        if len(indices) == 1 and not _cached(inputs[indices[0]], prefix_cache):
+        if len(indices) > 1:
+            continue
+        if not _cached(inputs[indices[0]], prefix_cache):
             plain += by_prefix.pop(group_key)  # alone over its state, and not worth a lookup
+        elif view := _stored_by_batch(scoring_model, inputs[indices[0]], prefix_cache, template):
+            plain += by_prefix.pop(group_key)
+            keep[indices[0]] = view
     plain.sort()
     items = [inputs[index] for index in plain]
-    ran = _plain(scoring_model, items, max_tokens, buckets, prefix_cache, template, left)
+    keeps = [keep.get(index) for index in plain]
+    ran = _plain(scoring_model, items, max_tokens, buckets, prefix_cache, template, left, keeps)
     for index, outcome in zip(plain, ran):
         outcomes[index] = outcome
     for (prefix, session), indices in by_prefix.items():
@@ -103,17 +115,21 @@ def _plain(
     prefix_cache: ModelPrefixCache | None,
     template: TemplatePrefix | None,
     left: Callable[[Input], bool] | None,
+    keeps: list[ModelPrefixCache | None],
 ) -> list[Any]:
     """The outcomes of inputs that run as plain prompts: two or more whose prompts begin with
-    the template in one forward over it; of the rest, two or more direct rows in one
-    right-padded forward, any other alone (a batch of one is the unbatched call, exactly).
+    the template in one forward over it (storing the state prefix of those with a `keeps`
+    view); of the rest, two or more direct rows in one right-padded forward, any other alone
+    (a batch of one is the unbatched call, exactly, which looks its prefix up and stores it).
     Before each forward, the inputs whose caller left (`left`) leave it."""
     outcomes: list[Any] = [None] * len(items)
     over = [i for i, item in enumerate(items) if template and template.starts(_ids(item))]
     if len(over) > 1:
         over = _live(over, items, left, outcomes)
     if len(over) > 1:
-        merged = _over_template(scoring_model, template, [items[i] for i in over], buckets)
+        merged = _over_template(
+            scoring_model, template, [items[i] for i in over], buckets, [keeps[i] for i in over]
+        )
         for index, outcome in zip(over, merged):
             outcomes[index] = outcome
     else:
@@ -177,12 +193,15 @@ def _over_template(
     template: TemplatePrefix,
     items: list[Input],
     buckets: Buckets | None | str,
+    keeps: list[ModelPrefixCache | None],
 ) -> list[Batched]:
     """Rows of distinct requests (direct rows, single-row shared calls) in one shared forward
     over the model's template prefix; each its own outcome. Requests with the same prompt (a
     caller's retry, an item sent twice) are one row of it: the same tokens give the same
     logits, and each request's result is built from them with its own ids. The results say
-    they reused no state prefix: the template holds none of a caller's text."""
+    they reused no state prefix: the template holds none of a caller's text. A row with a
+    `keeps` view has its state prefix's keys and values cut out of the forward and stored
+    there, as its own prefill would have been (`_stored_by_batch`)."""
     started = perf_counter()
     model = scoring_model.model
     prompts = [item.prompts[0] if isinstance(item, SharedInput) else item.prompt for item in items]
@@ -190,8 +209,27 @@ def _over_template(
     for prompt in prompts:
         rows.setdefault(tuple(prompt.ids), len(rows))
     distinct = list({tuple(prompt.ids): prompt for prompt in prompts}.values())
+    stores = {
+        rows[tuple(prompt.ids)]: (view, list(item.prefix_ids))
+        for item, prompt, view in zip(items, prompts, keeps)
+        if view is not None
+    }
+
+    def store_prefixes(cache: Any, forward_rows: range) -> None:
+        for row in forward_rows:
+            if row in stores:
+                view, prefix_ids = stores[row]
+                kept = row_prefix(cache, row - forward_rows.start, len(prefix_ids))
+                if kept is not None:
+                    view.keep(prefix_ids, kept)
+
     logits, timing = shared.forward(
-        model, template.ids, distinct, resolve(buckets, model.device), template
+        model,
+        template.ids,
+        distinct,
+        resolve(buckets, model.device),
+        template,
+        store_prefixes if stores else None,
     )
     forward_seconds = perf_counter() - started
     ran = _shared_forward(timing, distinct)
@@ -211,6 +249,26 @@ def _over_template(
             )
         outcomes.append(Batched(outcome, len(distinct), width, ran))
     return outcomes
+
+
+def _stored_by_batch(
+    scoring_model: ScoringModel,
+    item: DirectInput,
+    prefix_cache: ModelPrefixCache,
+    template: TemplatePrefix | None,
+) -> ModelPrefixCache | None:
+    """The cache view in which a lone row's batch forward over the template stores its state
+    prefix, instead of the row running alone to prefill it (None: it runs alone): when nothing
+    stored resumes that prefix, and its model is attention-only on the invariant numerics (the
+    batch's keys and values for the prefix are then a lone prefill's, bit for bit;
+    `invariant.py`; a linear-attention layer's state is the row's end's, not the prefix's)."""
+    model = scoring_model.model
+    if template is None or not template.starts(item.prompt.ids):
+        return None
+    if not (invariant.installed(model) and shared.is_pure_attention(model)):
+        return None
+    view = prefix_cache.within(item.row.cache_key, item.breakpoints)
+    return None if view.finds(list(item.prefix_ids)) else view
 
 
 def _cached(item: Input, prefix_cache: ModelPrefixCache | None) -> bool:

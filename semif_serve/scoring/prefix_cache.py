@@ -210,6 +210,26 @@ class PrefixCache:
         point = None if found is None else found.point
         return prefilled, entry, Reuse(start, point, stored=entry is not None)
 
+    def finds(self, model: tuple, ids: list[int], partition: str | None = None) -> bool:
+        """Whether `resume` would resume `ids` from a stored entry (nothing counted or pinned)."""
+        with self._lock:
+            return bool(self._usable((model, partition), ids))
+
+    def keep(self, model: tuple, ids: list[int], prefilled: Any, partition: str | None = None):
+        """Store `prefilled`, a cache after exactly `ids` that a batch forward made, as `resume`
+        stores a miss's prefill (counted as one: a miss, its tokens prefilled); True if stored
+        (not when it is not cached at all, already stored, or does not fit)."""
+        if not self.caches(len(ids)):
+            return False
+        with self._lock:
+            self._count(model, "misses")
+            self._count(model, "prefilled_tokens", len(ids))
+        entry = self._insert((model, partition), ids, prefilled, {}, None)
+        if entry is None:
+            return False
+        self._release(entry)
+        return True
+
     def stats(self, model: tuple) -> dict[str, int]:
         """The counters (since the process started), and bytes, entries and checkpoints (now)."""
         with self._lock:
@@ -264,13 +284,7 @@ class PrefixCache:
         counted for its model."""
         model = space[0]
         with self._lock:
-            tree = self._trees.get(space)
-            matched = tree.matches(ids, self.min_tokens) if tree else []
-            found = [
-                _Found(self._entries[key], shared, *resume_point(self._entries[key], shared))
-                for key, shared in matched
-            ]
-            usable = [one for one in found if one.tokens >= self.min_tokens]
+            usable = self._usable(space, ids)
             best = max(usable, key=lambda one: one.tokens, default=None)  # the first of a tie
             if best is None:
                 self._count(model, "misses")
@@ -280,6 +294,17 @@ class PrefixCache:
             self._entries.move_to_end(_key(space, best.entry.ids))
             best.entry.pins += 1
             return best
+
+    def _usable(self, space: tuple, ids: list[int]) -> list[_Found]:
+        """The stored entries of `space` a call over `ids` could resume from, and where (call
+        with the lock held)."""
+        tree = self._trees.get(space)
+        matched = tree.matches(ids, self.min_tokens) if tree else []
+        found = [
+            _Found(self._entries[key], shared, *resume_point(self._entries[key], shared))
+            for key, shared in matched
+        ]
+        return [one for one in found if one.tokens >= self.min_tokens]
 
     def _insert(
         self,
@@ -375,6 +400,12 @@ class ModelPrefixCache:
     def resume(self, ids: list[int], prefill: Prefill):
         marks = {at: BREAKPOINT for at in self.breakpoints}
         return self.store.resume(self.model, ids, prefill, marks, self.partition)
+
+    def finds(self, ids: list[int]) -> bool:
+        return self.store.finds(self.model, ids, self.partition)
+
+    def keep(self, ids: list[int], prefilled: Any) -> bool:
+        return self.store.keep(self.model, ids, prefilled, self.partition)
 
     def stats(self) -> dict[str, int]:
         return self.store.stats(self.model)

@@ -22,6 +22,7 @@ forwards, so that every forward has one of the shapes warm-up ran; the results a
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import nullcontext
 from time import perf_counter
 from typing import Any
@@ -140,16 +141,19 @@ def forward(
     prompts: list[EncodedPrompt],
     buckets: Buckets | None,
     prefix_cache: ModelPrefixCache | None = None,
+    rows_cache: Callable[[Any, range], None] | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The forward stage: each prompt's letter logits (CPU) and the phase timings (with
     `cache_hit`). Every prompt's ids begin with `prefix_ids`. With `buckets`, only
     `buckets.prefix(len(prefix_ids))` of them are prefilled (the rest start every suffix) and
-    every forward has a bucketed shape; with `prefix_cache`, that prefill may be a stored one."""
+    every forward has a bucketed shape; with `prefix_cache`, that prefill may be a stored one.
+    `rows_cache(cache, rows)`: called after each suffix forward with its cache, which then holds
+    every row's own keys and values, prefix included (rows: those prompts' indices)."""
     if buckets is not None:
         prefix_ids = prefix_ids[: buckets.prefix(len(prefix_ids))]
-    if is_pure_attention(model) and not invariant.installed(model):
+    if is_pure_attention(model) and not invariant.installed(model) and rows_cache is None:
         return forward_packed(model, prefix_ids, prompts, buckets, prefix_cache)
-    return _forward(model, prefix_ids, prompts, buckets, prefix_cache)
+    return _forward(model, prefix_ids, prompts, buckets, prefix_cache, rows_cache)
 
 
 def _forward(
@@ -158,6 +162,7 @@ def _forward(
     prompts: list[EncodedPrompt],
     buckets: Buckets | None,
     prefix_cache: ModelPrefixCache | None,
+    rows_cache: Callable[[Any, range], None] | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """Prefill once; the suffixes as right-padded batches over it; letter logits per row (CPU).
 
@@ -171,7 +176,7 @@ def _forward(
     suffixes = [prompt.ids[prefix_length:] for prompt in prompts]
     groups = _row_groups(suffixes, buckets)
     base_model = model.get_decoder()
-    sharing = enable_prefix_attention(model)
+    sharing = enable_prefix_attention(model) and rows_cache is None
     last_hidden = []
     layout_seconds = suffix_seconds = 0.0
     padded_tokens = 0
@@ -181,11 +186,15 @@ def _forward(
         prefilled(base_model, model.config, prefix_ids, prefix_cache) as (cache, reuse),
     ):
         prefill_seconds = perf_counter() - started
+        first_row = 0
         for group in groups:
             group_cache = _group_copy(cache) if len(groups) > 1 else cache
             hidden, timing = _suffix_forward(
                 base_model, group_cache, group, prefix_length, sharing, buckets
             )
+            if rows_cache is not None:
+                rows_cache(group_cache, range(first_row, first_row + len(group)))
+            first_row += len(group)
             last_hidden.append(hidden)
             layout_seconds += timing[0]
             suffix_seconds += timing[1]
