@@ -191,3 +191,20 @@ def test_a_rejected_row_in_a_batch_is_named_by_its_position(qwen_tokenizer):
     with pytest.raises(PromptRejected) as single:
         encode_prompt(qwen_tokenizer, rows[first_over], max_tokens=limit)
     assert single.value.row_index is None  # a lone row has no position
+
+
+def test_the_joined_mask_is_made_once_per_forward_mask_and_chunk():
+    """Every layer of a suffix forward gets the same [all prefix ; own] mask object for its rows
+    (so the invariant kernel lays it out once), and another forward's mask gets its own."""
+    from semif_serve.scoring.prefix_attention import SharedPrefix, _joined_mask
+
+    shared = SharedPrefix()
+    mask = torch.ones((10, 1, 3, 3), dtype=torch.bool).tril()
+    first = _joined_mask(shared, mask, slice(0, 8), 5)
+    assert _joined_mask(shared, mask, slice(0, 8), 5) is first
+    assert first.shape == (8, 1, 3, 8) and first[..., :5].all()
+    assert torch.equal(first[..., 5:], mask[:8])
+    rest = _joined_mask(shared, mask, slice(8, 16), 5)
+    assert rest.shape == (2, 1, 3, 8) and torch.equal(rest[..., 5:], mask[8:])
+    other = mask.clone()
+    assert _joined_mask(shared, other, slice(0, 8), 5) is not first

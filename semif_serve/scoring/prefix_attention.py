@@ -45,6 +45,10 @@ class SharedPrefix:
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (id of the model's mask, first row) -> (that mask, the rows' [all prefix ; own] mask): the
+    # forward passes one mask object to every layer, so each layer gets the same joined one (and
+    # the invariant kernel its one layout); the mask is held so that its id stays its own.
+    masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 _ACTIVE: ContextVar[SharedPrefix | None] = ContextVar("semif_shared_prefix", default=None)
@@ -111,20 +115,29 @@ def _joined(kernel, module, query, key, value, attention_mask, dropout, scaling,
         # Only this chunk's view of the prefix is materialised, and only for this layer.
         keys = torch.cat([prefix_keys.expand(rows, -1, -1, -1), key[chunk]], dim=2)
         values = torch.cat([prefix_values.expand(rows, -1, -1, -1), value[chunk]], dim=2)
-        own_mask = attention_mask[chunk]
-        prefix_mask = own_mask.new_ones((rows, 1, own_mask.shape[2], prefix_length))
         output, _ = kernel(
             module,
             query[chunk],
             keys,
             values,
-            torch.cat([prefix_mask, own_mask], dim=3),
+            _joined_mask(shared_prefix, attention_mask, chunk, prefix_length),
             dropout=dropout,
             scaling=scaling,
             softcap=kwargs.get("softcap"),
         )
         outputs.append(output)
     return torch.cat(outputs), None
+
+
+def _joined_mask(shared_prefix: SharedPrefix, mask: torch.Tensor, chunk: slice, prefix: int):
+    """[all `prefix` keys ; the model's own mask] for the rows of `chunk`: made once per mask."""
+    key = (id(mask), chunk.start)
+    kept = shared_prefix.masks.get(key)
+    if kept is None or kept[0] is not mask:
+        own = mask[chunk]
+        joined = torch.cat([own.new_ones((own.shape[0], 1, own.shape[2], prefix)), own], dim=3)
+        kept = shared_prefix.masks[key] = (mask, joined)
+    return kept[1]
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention)
