@@ -458,3 +458,32 @@ def test_lone_cold_rows_of_a_hybrid_model_still_prefill_alone(tiny_qwen):
     )
     assert [outcome.rows for outcome in batched] == [1, 1]
     assert cache.stats()["entries"] == 2
+
+
+def test_a_one_question_call_over_a_cold_cacheable_state_joins_the_batch_and_stores_it(smollm2):
+    """Each ecosystem request of one question over its own long state (a one-row shared call):
+    with another request, one forward over the template, the shared scorer's result with the
+    bits it gets alone, `prefix_stored` in its timing; sent again, a cache hit alone."""
+    tokenizer = smollm2.tokenizer
+    template = TemplatePrefix.of(tokenizer, MAX_TOKENS)
+    cache = PrefixCache(1 << 30, min_tokens=16).for_model(("batched-store", "one-question"))
+    [one] = make_rows(1, 2, state=state(60, 20), prefix="one")
+    [other] = make_rows(1, 3, state=state(61, 5), prefix="other")
+    inputs = [
+        shared_input(tokenizer, [one], MAX_TOKENS),
+        direct_input(tokenizer, parse_row(other), MAX_TOKENS, with_prefix=True),
+    ]
+    batched = score_batch(
+        smollm2, inputs, max_tokens=MAX_TOKENS, prefix_cache=cache, template=template
+    )
+    assert [outcome.rows for outcome in batched] == [2, 2]
+    [result], timing = batched[0].outcome
+    [alone], _ = score_shared(smollm2, [one], max_tokens=MAX_TOKENS)
+    assert result["option_logits"] == alone["option_logits"]
+    assert timing["prefix_stored"] is True and result["cache_hit"] is False
+    assert cache.stats()["entries"] == 2
+    again = score_batch(
+        smollm2, inputs[:1], max_tokens=MAX_TOKENS, prefix_cache=cache, template=template
+    )
+    [result], timing = again[0].outcome
+    assert result["cache_hit"] is True and result["option_logits"] == alone["option_logits"]

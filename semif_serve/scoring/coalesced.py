@@ -11,17 +11,19 @@ A model's scheduler (`runtime/scheduler.py`) hands the batch it chose here as on
   stored one resumed, then every row's suffix), as a shared call over those rows would run, so
   requests over the same state share its prefill, cache or not (rows of different sessions,
   `Row.cache_key`, never share one: each session reuses and stores only its own prefixes);
-- a lone row over a state prefix the cache would take but holds nothing of runs with the plain
-  prompts below, and its prefix is cut out of that forward and stored as its own prefill would
-  have been, when its model is attention-only on the invariant numerics (those keys and values
-  are then a lone prefill's, bit for bit); otherwise it runs alone, to prefill and store it;
+- a lone row (a direct row alone over its state, a one-row shared call) over a state prefix
+  the cache would take but holds nothing of runs with the plain prompts below, and its prefix
+  is cut out of that forward and stored as its own prefill would have been, when its model is
+  attention-only on the invariant numerics (those keys and values are then a lone prefill's,
+  bit for bit); otherwise it runs alone, to prefill and store it;
 - a `/decide/shared` call (a `SharedInput`) of several rows runs as a unit, never split; one
   of a single row (each ecosystem request of one question) runs as a direct row does, but for
   its result's shape (the shared scorer's, `shared.shared_outcome`);
 - with the model's `TemplatePrefix` (the prompt start every request shares), the rows that run
   as plain prompts go in ONE shared forward over it instead: its prefill kept once per model,
-  then every row's own tokens, packed without padding for attention-only models
-  (`shared.forward`), so a batch of distinct states prefills none of the template again.
+  then every row's own tokens (`shared.forward`: packed without padding for attention-only
+  models on the stock kernels), so a batch of distinct states prefills none of the template
+  again.
 Each input gets a `Batched`: its outcome (direct: a result dict; shared: (results, timing); or
 the `RowError` its own row raised: any other failure is the whole call's) and the rows and
 padded length of the forward it ran in, and that `Forward` itself as it ran (the metrics).
@@ -69,15 +71,18 @@ def score_batch(
     left is not run (its outcome: `ClientGone`, as the engine's batch call hands it on)."""
     outcomes: list[Any] = [None] * len(inputs)
     plain, by_prefix = [], {}
+    keep: dict[int, ModelPrefixCache] = {}  # inputs whose batch forward stores their prefix
     for index, item in enumerate(inputs):
-        if item.max_tokens != max_tokens or not _mergeable(item, prefix_cache):
+        if item.max_tokens == max_tokens and not _mergeable(item, prefix_cache):
+            if view := _stored_by_batch(scoring_model, item, prefix_cache, template):
+                keep[index] = view  # a one-row shared call whose prefix the batch stores
+        if item.max_tokens != max_tokens or not (_mergeable(item, prefix_cache) or index in keep):
             if _live([index], inputs, left, outcomes):
                 outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
         elif isinstance(item, SharedInput) or item.prefix_ids is None:
             plain.append(index)
         else:
             by_prefix.setdefault((tuple(item.prefix_ids), item.row.cache_key), []).append(index)
-    keep: dict[int, ModelPrefixCache] = {}  # rows whose batch forward stores their prefix
     for group_key, indices in list(by_prefix.items()):  # (prefix ids, session)
         if len(indices) > 1:
             continue
@@ -176,8 +181,8 @@ def _shared_forward(timing: dict[str, Any], prompts: list[Any]) -> Forward:
 
 def _mergeable(item: Input, prefix_cache: ModelPrefixCache | None) -> bool:
     """Whether an input may run with other requests' rows: any direct row; a shared call of one
-    row whose state prefix the cache would not take (one it would take runs alone, as before,
-    so that a state sent again finds its prefill stored)."""
+    row whose state prefix the cache would not take (one it would take runs alone, so that a
+    state sent again finds its prefill stored, unless the batch stores it: `_stored_by_batch`)."""
     if isinstance(item, DirectInput):
         return True
     return len(item.prompts) == 1 and not _cached(item, prefix_cache)
@@ -215,13 +220,15 @@ def _over_template(
         if view is not None
     }
 
+    stored: set[int] = set()  # the rows whose prefix was stored
+
     def store_prefixes(cache: Any, forward_rows: range) -> None:
         for row in forward_rows:
             if row in stores:
                 view, prefix_ids = stores[row]
                 kept = row_prefix(cache, row - forward_rows.start, len(prefix_ids))
-                if kept is not None:
-                    view.keep(prefix_ids, kept)
+                if kept is not None and view.keep(prefix_ids, kept):
+                    stored.add(row)
 
     logits, timing = shared.forward(
         model,
@@ -240,7 +247,11 @@ def _over_template(
     for item, prompt in zip(items, prompts):
         row_logits = logits[rows[tuple(prompt.ids)]]
         if isinstance(item, SharedInput):  # its own row's figures: its prefix is the template
-            own = {**timing, "padded_suffix_tokens": len(prompt.ids) - prefix}
+            own = {
+                **timing,
+                "padded_suffix_tokens": len(prompt.ids) - prefix,
+                "prefix_stored": rows[tuple(prompt.ids)] in stored,
+            }
             item_started = started - item.encode_seconds
             outcome = shared_outcome(scoring_model, item, [row_logits], own, item_started)
         else:
@@ -253,21 +264,25 @@ def _over_template(
 
 def _stored_by_batch(
     scoring_model: ScoringModel,
-    item: DirectInput,
-    prefix_cache: ModelPrefixCache,
+    item: Input,
+    prefix_cache: ModelPrefixCache | None,
     template: TemplatePrefix | None,
 ) -> ModelPrefixCache | None:
-    """The cache view in which a lone row's batch forward over the template stores its state
-    prefix, instead of the row running alone to prefill it (None: it runs alone): when nothing
-    stored resumes that prefix, and its model is attention-only on the invariant numerics (the
-    batch's keys and values for the prefix are then a lone prefill's, bit for bit;
+    """The cache view in which the batch forward over the template stores the state prefix of
+    a lone row (a direct row alone over its state, a one-row shared call), instead of the row
+    running alone to prefill it (None: it runs alone): when its prefix is one the cache takes
+    and nothing stored resumes it, and its model is attention-only on the invariant numerics
+    (the batch's keys and values for the prefix are then a lone prefill's, bit for bit;
     `invariant.py`; a linear-attention layer's state is the row's end's, not the prefix's)."""
     model = scoring_model.model
-    if template is None or not template.starts(item.prompt.ids):
+    if not _cached(item, prefix_cache) or isinstance(item, SharedInput) and len(item.prompts) > 1:
+        return None
+    if template is None or not template.starts(_ids(item)):
         return None
     if not (invariant.installed(model) and shared.is_pure_attention(model)):
         return None
-    view = prefix_cache.within(item.row.cache_key, item.breakpoints)
+    row = item.rows[0] if isinstance(item, SharedInput) else item.row
+    view = prefix_cache.within(row.cache_key, item.breakpoints)
     return None if view.finds(list(item.prefix_ids)) else view
 
 
