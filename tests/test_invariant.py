@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import byte_tokenizer, tiny_llama
+from tiny_models import byte_tokenizer, tiny_llama, tiny_qwen35
 
 from semif_serve.scoring import ModelInfo, ScoringModel
 from semif_serve.scoring import invariant_attention as module
@@ -295,3 +295,32 @@ def test_the_probe_finds_an_sdpa_whose_rows_depend_on_the_call(monkeypatch):
         assert module.sdpa_is_invariant(torch.float32, 4, 2, HEAD) is False
     finally:
         module.sdpa_is_invariant.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tail_rounding_functions_give_an_element_the_same_bits_wherever_the_tensor_ends(dtype):
+    """torch's CPU softplus, sigmoid and silu round a tensor's last partial vector with the
+    scalar function; inside a linear-attention layer they run over whole vectors."""
+    from semif_serve.scoring.invariant import _WholeVectors
+
+    values = (tensors(560) * 4).to(dtype)
+    functions = [F.softplus, torch.sigmoid, F.silu, lambda t: t.sigmoid()]
+    with _WholeVectors():
+        for function in functions:
+            whole = function(values)
+            for count in (7, 90, 100, 180):
+                assert torch.equal(function(values[:count]), whole[:count])
+        inplace = values.clone()
+        assert F.silu(inplace, inplace=True) is inplace and torch.equal(inplace, F.silu(values))
+    torch.testing.assert_close(whole, values.sigmoid())  # the same function, bits aside
+
+
+def test_install_runs_a_linear_attention_layer_over_whole_vectors():
+    model = tiny_qwen35()
+    ScoringModel(model, byte_tokenizer(), ModelInfo("test", "seed-0", "float32", "cpu"))
+    wrapped = [
+        name
+        for name, m in model.named_modules()
+        if "forward" in vars(m) and not isinstance(m, torch.nn.Linear)
+    ]
+    assert wrapped and all(name.endswith("linear_attn") for name in wrapped)

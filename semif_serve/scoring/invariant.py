@@ -11,6 +11,9 @@ inside a shared call or as a prefix-cache hit. `install` makes every path comput
   development EPYC, both dtypes), else in tiles of exactly `TILE_ROWS` rows, the last padded;
 - attention runs `invariant_attention.invariant_attention` (fixed key blocks aligned to
   position 0, fixed query blocks; see there), registered with transformers as ATTENTION_NAME;
+- a linear-attention layer (Qwen3.5's gated delta net) computes softplus, sigmoid and silu over
+  whole vectors (`_WholeVectors`): torch rounds a tensor's last partial vector with the scalar
+  function, and those tensors' ends move with the batch;
 - the letter head is float32 on every path (`head.letter_logits`), and attention-only models
   score shared calls through `prefix_attention` (each row's keys where its direct prompt has
   them) instead of packing every suffix into one row (`shared.forward`).
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from semif_serve.scoring.invariant_attention import ATTENTION_NAME
 
@@ -50,11 +54,48 @@ def install(model: Any) -> bool:
     # does (that module imports the kernel's, so it is imported here, not at the top).
     import semif_serve.scoring.prefix_attention  # noqa: F401
 
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             module.forward = partial(invariant_linear, module)
+        elif name.endswith("linear_attn"):  # a linear-attention (gated delta net) layer
+            module.forward = partial(_in_whole_vectors, module.forward)
     model.set_attn_implementation(ATTENTION_NAME)
     return installed(model)
+
+
+def _in_whole_vectors(forward, *args: Any, **kwargs: Any) -> Any:
+    """`forward` with torch's tail-rounding elementwise functions over whole vectors."""
+    with _WholeVectors():
+        return forward(*args, **kwargs)
+
+
+class _WholeVectors(TorchFunctionMode):
+    """softplus, sigmoid and silu of any tensor over a copy padded to whole vectors: torch's CPU
+    kernels compute a tensor's tail (its elements after the last whole vector) with the scalar
+    function, which may round differently, and a linear-attention layer applies them to
+    (rows, tokens, heads) tensors whose tail moves with the batch."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _TAILED or not isinstance(args[0], torch.Tensor):
+            return func(*args, **kwargs)
+        inplace = kwargs.pop("inplace", False)
+        values = args[0]
+        result = whole_vectors(lambda flat: func(flat, *args[1:], **kwargs), values)
+        return values.copy_(result) if inplace else result
+
+
+_TAILED = {F.softplus, F.silu, torch.sigmoid, torch.Tensor.sigmoid}
+VECTOR = 64  # elements: a multiple of every CPU vector width torch uses
+
+
+def whole_vectors(function, values: torch.Tensor) -> torch.Tensor:
+    """`function` (elementwise) of `values`, computed over a flat copy padded to whole VECTORs."""
+    flat = values.reshape(-1)
+    count = flat.shape[0]
+    if count % VECTOR:
+        flat = torch.cat([flat, flat.new_zeros(VECTOR - count % VECTOR)])
+    return function(flat)[:count].reshape(values.shape)
 
 
 def invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,6 @@ SDPA_BLOCK = 512  # torch's CPU flash attention's key block (fewer keys: one blo
 SDPA_QUERIES = 32  # queries per call: its query block for calls of fewer than 192 queries
 KEY_BLOCK = 64  # `_blocked`'s key block
 QUERY_TILE = 256  # `_blocked`'s queries per pass
-_VECTOR = 64  # elements: a multiple of every CPU vector width torch uses for float32
 
 
 def invariant_attention(
@@ -231,11 +230,9 @@ def _attend_tile(query, key, value, mask, scaling, softcap) -> torch.Tensor:
 
 def _exp(values: torch.Tensor) -> torch.Tensor:
     """exp of every element through torch's vector kernel (see the module docstring)."""
-    flat = values.reshape(-1)
-    count = flat.shape[0]
-    if count % _VECTOR:
-        flat = torch.cat([flat, flat.new_zeros(_VECTOR - count % _VECTOR)])
-    return flat.exp()[:count].reshape(values.shape)
+    from semif_serve.scoring.invariant import whole_vectors  # (imports this module)
+
+    return whole_vectors(torch.exp, values)
 
 
 def _matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
