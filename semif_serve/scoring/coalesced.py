@@ -73,10 +73,11 @@ def score_batch(
     plain, by_prefix = [], {}
     keep: dict[int, ModelPrefixCache] = {}  # inputs whose batch forward stores their prefix
     for index, item in enumerate(inputs):
-        if item.max_tokens == max_tokens and not _mergeable(item, prefix_cache):
+        joins = item.max_tokens == max_tokens and _mergeable(item, prefix_cache)
+        if not joins and item.max_tokens == max_tokens:  # a one-row shared call over a new state
             if view := _stored_by_batch(scoring_model, item, prefix_cache, template):
-                keep[index] = view  # a one-row shared call whose prefix the batch stores
-        if item.max_tokens != max_tokens or not (_mergeable(item, prefix_cache) or index in keep):
+                keep[index], joins = view, True  # whose prefix the batch's forward stores
+        if not joins:
             if _live([index], inputs, left, outcomes):
                 outcomes[index] = _alone(scoring_model, item, max_tokens, buckets, prefix_cache)
         elif isinstance(item, SharedInput) or item.prefix_ids is None:

@@ -77,8 +77,8 @@ class _WholeVectors(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _TAILED or not isinstance(args[0], torch.Tensor):
-            return func(*args, **kwargs)
+        if func not in _TAILED or not args or not isinstance(args[0], torch.Tensor):
+            return func(*args, **kwargs)  # (a tensor passed by keyword: as torch computes it)
         inplace = kwargs.pop("inplace", False)
         values = args[0]
         result = whole_vectors(lambda flat: func(flat, *args[1:], **kwargs), values)
