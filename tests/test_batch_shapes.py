@@ -19,8 +19,9 @@ from semif_serve.engine.warmup import plan, warm_up_shapes
 from semif_serve.runtime.selection import Cost, cost_of
 from semif_serve.runtime.selection import select as select_batch
 from semif_serve.scoring import ScoringModel, parse_row
-from semif_serve.scoring.coalesced import _padded_ids, score_batch
+from semif_serve.scoring.coalesced import score_batch
 from semif_serve.scoring.inputs import direct_input
+from semif_serve.scoring.padded import padded_ids
 from semif_serve.scoring.shapes import DEFAULT, Buckets, bucketed_tokens
 
 # TABLE: lengths 32, 64, 96, 128, 192, 256, 384, 512, ...; rows 1, 2, 4, 8, then multiples of 8
@@ -128,17 +129,17 @@ def test_every_padded_forward_a_selected_batch_runs_is_planned_and_within_budget
     chosen = data.draw(st.sets(st.sampled_from(range(len(direct))))) if direct else set()
     if len(taken) < 2 or len(chosen) < 2:  # alone: the direct or shared scorer's own shapes
         return
-    rows, width = _padded_ids([[7] * direct[index] for index in chosen], buckets).shape
+    rows, width = padded_ids([[7] * direct[index] for index in chosen], buckets).shape
     assert (rows, width) in shapes
     assert rows * width <= budget
 
 
 def test_padded_ids_pad_rows_with_padding_after_the_real_rows():
-    ids = _padded_ids([[5, 6, 7], [8]] + [[9, 9]], TABLE)
+    ids = padded_ids([[5, 6, 7], [8]] + [[9, 9]], TABLE)
     assert ids.shape == (4, 32)
     assert ids[0, :4].tolist() == [5, 6, 7, 0] and ids[1, :2].tolist() == [8, 0]
     assert ids[3].eq(0).all() and ids[:, 3:].eq(0).all()
-    assert _padded_ids([[5, 6, 7], [8]] + [[9, 9]], None).shape == (3, 3)  # buckets off
+    assert padded_ids([[5, 6, 7], [8]] + [[9, 9]], None).shape == (3, 3)  # buckets off
 
 
 # On the tiny hybrid model

@@ -1,7 +1,8 @@
 """Growing states on real models (SmolLM2: attention only; tiny Qwen3.5: hybrid, with the real
 vocabulary): a state that grew, was edited in the middle or was cut resumes from the stored
-work of an earlier version, and scores what a cold call scores within 1e-5 (fp32, CPU),
-whatever the reuse point. Hypothesis drives text and JSON states through random versions."""
+work of an earlier version, and scores what a cold call scores bit for bit (fp32, the CPU's
+invariant numerics; the hybrid's prefills stop at delta-rule chunk starts), whatever the reuse
+point. Hypothesis drives text and JSON states through random versions."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from hypothesis import strategies as st
 from rows_factory import make_rows
 
 from semif_serve.scoring import score, score_shared
-from semif_serve.scoring.checkpoints import BOUNDARY, CHECKPOINT, CROP, END
+from semif_serve.scoring.checkpoints import BOUNDARY, CHECKPOINT, CROP, END, LINEAR_CHUNK_TOKENS
 from semif_serve.scoring.prefix_cache import PrefixCache
 
-TOLERANCE = 1e-5
+TOLERANCE = 0
 MAX_TOKENS = 4096
 MODEL = ("source", "test")
 EVENTS = [
@@ -82,13 +83,16 @@ def test_a_state_edited_in_the_middle_or_cut_resumes_exactly(request, model_name
         assert timing["cached_tokens"] >= 32  # at least the first checkpoint
 
 
-def test_the_hybrid_model_resumes_a_grown_json_state_at_the_boundary(tiny_qwen):
-    view = store(checkpoint_tokens=0).for_model(MODEL)  # the boundary checkpoint only
-    scored(tiny_qwen, json_state(EVENTS[:4]), view)
+def test_the_hybrid_model_resumes_a_grown_json_state_where_its_prefill_stopped(tiny_qwen):
+    view = store(checkpoint_tokens=0).for_model(MODEL)  # no periodic checkpoints
+    _, _, first = scored(tiny_qwen, json_state(EVENTS[:4]), view)
     cold, cached, timing = scored(tiny_qwen, json_state(EVENTS[:5]), view)
-    assert worst_difference(cold, cached) <= TOLERANCE
-    # JSON closes the state with `]}`: the grown version diverges just before the stored end.
-    assert timing["reuse_point"] == BOUNDARY and timing["cached_tokens"] > 100
+    assert worst_difference(cold, cached) == 0
+    # JSON closes the state with `]}`: the grown version diverges just before the first one's
+    # end, after the delta-rule chunk start where the first one's prefill stopped and was stored.
+    stored = first["prefix_tokens"]
+    assert stored % LINEAR_CHUNK_TOKENS == 0 and stored > 100
+    assert timing["reuse_point"] == END and timing["cached_tokens"] == stored
 
 
 def test_a_direct_call_resumes_a_grown_state_too(smollm2):

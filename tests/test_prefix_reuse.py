@@ -6,6 +6,8 @@ and the checkpoints' positions, inheritance and bytes."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from prefix_fixtures import read_ids, token_prefill
 
@@ -17,9 +19,13 @@ from semif_serve.scoring.checkpoints import (
     CHECKPOINT,
     CROP,
     END,
+    LINEAR_CHUNK_TOKENS,
     checkpoint_stops,
+    chunk_start,
 )
+from semif_serve.scoring.prefill import linear_chunk, prefill_length
 from semif_serve.scoring.prefix_cache import SUPERSEDED_TAIL, PrefixCache, Reuse
+from semif_serve.scoring.shapes import DEFAULT
 
 MODEL = ("source", "test")
 STATE = list(range(1, 201))  # 200 ids, none 0
@@ -235,6 +241,52 @@ def test_checkpoint_stops_lie_strictly_between_start_and_end():
     }
 
 
+def test_a_hybrid_models_stops_move_to_the_start_of_their_chunk():
+    """`chunk` 64 (`prefill.linear_chunk` of a model with linear-attention layers): every stop
+    moves back to the start of its 64-token delta-rule chunk; of two there, the later kind (a
+    mark over a periodic one); one that moves to the start or before it is dropped."""
+    marks = {100: BREAKPOINT, 130: BREAKPOINT}
+    assert checkpoint_stops(0, 200, 64, marks, chunk=64) == {
+        64: BREAKPOINT,
+        128: BREAKPOINT,
+        192: BOUNDARY,  # 198, the boundary, in the chunk that starts at 192
+    }
+    # Periodic stops 50, 100, 150 move to 0 (dropped: not after the start), 64 and 128.
+    assert checkpoint_stops(0, 200, 50, {}, chunk=64) == {
+        64: CHECKPOINT,
+        128: CHECKPOINT,
+        192: BOUNDARY,
+    }
+    assert checkpoint_stops(64, 130, 0, {}, chunk=64) == {128: BOUNDARY}  # a start already
+    assert checkpoint_stops(0, 129, 0, {}, chunk=64) == {64: BOUNDARY}  # 127 moves to 64
+    assert checkpoint_stops(65, 200, 0, {70: BREAKPOINT}, chunk=64) == {192: BOUNDARY}
+
+
+def test_a_hybrid_models_shared_forward_prefills_up_to_a_chunk_start():
+    hybrid = SimpleNamespace(layer_types=["linear_attention", "full_attention"])
+    for attention_only in (SimpleNamespace(layer_types=["full_attention"]), SimpleNamespace()):
+        assert linear_chunk(attention_only) == 1
+        assert prefill_length(attention_only, 130) == 130
+    assert linear_chunk(hybrid) == LINEAR_CHUNK_TOKENS == 64
+    assert [prefill_length(hybrid, n) for n in (0, 63, 64, 127, 130)] == [0, 0, 64, 64, 128]
+    assert [chunk_start(n, 5) for n in (4, 5, 11)] == [0, 5, 10]
+    # Shape buckets (CUDA) cut the prefix to a bucket instead, for any model.
+    assert prefill_length(hybrid, 130, DEFAULT) == DEFAULT.prefix(130) == 128
+    assert prefill_length(hybrid, 9, DEFAULT) == DEFAULT.prefix(9) == 8
+
+
+def test_a_hybrid_entrys_checkpoints_through_the_store_lie_at_chunk_starts():
+    cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=50)
+    calls = []
+    prefill = token_prefill(STATE, True, calls)
+    with cache.resume(MODEL, STATE, prefill, {100: BREAKPOINT}, None, 64) as (resumed, _):
+        assert read_ids(resumed) == STATE
+    assert calls == [(0, [64, 128, 192])]
+    (entry,) = cache._entries.values()
+    kinds = [(at, kind) for at, (kind, _) in sorted(entry.checkpoints.items())]
+    assert kinds == [(64, BREAKPOINT), (128, CHECKPOINT), (192, BOUNDARY)]
+
+
 # -- sessions ---------------------------------------------------------------------------------------
 
 
@@ -301,15 +353,21 @@ def test_a_hybrid_start_before_the_first_checkpoint_is_a_miss_even_at_one_token_
 def test_a_model_views_breakpoints_reach_the_store_as_checkpoints():
     cache = PrefixCache(1 << 20, min_tokens=8, checkpoint_tokens=64)
     prefill = token_prefill(STATE, linear=True)
-    view = cache.for_model(MODEL).within("alice", (150, 170))
-    with view.resume(STATE, prefill) as (resumed, _):
+    view = cache.for_model(MODEL).within("alice", (151, 170))
+    with view.resume(STATE, prefill) as (resumed, _):  # an odd mark: where it is (chunk 1)
         assert read_ids(resumed) == STATE
     (entry,) = cache._entries.values()
     assert entry.partition == "alice"
     assert {at: kind for at, (kind, _) in entry.checkpoints.items() if kind == BREAKPOINT} == {
-        150: BREAKPOINT,
+        151: BREAKPOINT,
         170: BREAKPOINT,
     }
+    # A hybrid model's view passes its chunk on: the marks move to their chunk starts.
+    bob = cache.for_model(MODEL).within("bob", (151, 170))
+    with bob.resume(STATE, token_prefill(STATE, linear=True), 64) as (resumed, _):
+        assert read_ids(resumed) == STATE
+    (bobs,) = [entry for entry in cache._entries.values() if entry.partition == "bob"]
+    assert sorted(bobs.checkpoints) == [64, 128, 192]
     # A grown state that diverges at 175 resumes from the last breakpoint inside the common start.
     grown = STATE[:175] + [999] * 30
     with view.resume(grown, token_prefill(grown, linear=True)) as (resumed, reuse):

@@ -5,6 +5,7 @@ from rows_factory import make_rows
 from tiny_models import byte_symbols, byte_tokenizer
 
 from semif_serve.scoring import PromptRejected, RowError, parse_row, score, score_shared
+from semif_serve.scoring.inputs import shared_input
 from semif_serve.scoring.prompt import render
 from semif_serve.scoring.result import PROBABILITY_STATUS, READOUTS
 
@@ -66,7 +67,7 @@ def assert_shared_matches_direct(scoring_model, rows, tolerance):
 @pytest.mark.parametrize("options", [[2], [16], [2, 16, 7]])
 def test_shared_equals_direct_on_the_hybrid_qwen35(tiny_qwen, count, options):
     rows = make_rows(count, options)
-    _, _, timing = assert_shared_matches_direct(tiny_qwen, rows, tolerance=1e-5)
+    _, _, timing = assert_shared_matches_direct(tiny_qwen, rows, tolerance=0)
     assert timing["batch_size"] == count
     if count > 1:
         assert timing["padded_suffix_tokens"] > timing["true_suffix_tokens"], (
@@ -193,8 +194,12 @@ def test_a_prefix_whose_tokens_merge_further_back_backs_off_and_stays_exact(tiny
     text = render(tokenizer, parse_row(rows[0]))
     naive_prefix = tokenizer.encode(text[: text.index(': "x"') + 5], add_special_tokens=False)[:-1]
     assert tokenizer.encode(text, add_special_tokens=False)[: len(naive_prefix)] != naive_prefix
-    _, _, timing = assert_shared_matches_direct(model, rows, tolerance=1e-5)
-    assert timing["prefix_tokens"] == len(naive_prefix) - 1
+    assert len(shared_input(tokenizer, [parse_row(row) for row in rows], 4096).prefix_ids) == (
+        len(naive_prefix) - 1
+    )
+    _, _, timing = assert_shared_matches_direct(model, rows, tolerance=0)
+    # The hybrid model prefills the prefix up to the start of its last 64-token chunk.
+    assert timing["prefix_tokens"] == (len(naive_prefix) - 1) // 64 * 64
 
 
 def test_prompts_sharing_no_leading_token_are_refused():
@@ -220,6 +225,7 @@ def test_attention_only_models_share_one_prefix_copy_and_stay_exact(count):
     # The stock kernels, as on CUDA: the CPU's invariant numerics never pack (test_exact_paths).
     model = ScoringModel(model=tiny_llama(), tokenizer=byte_tokenizer(), info=info, invariant=False)
     assert is_pure_attention(model.model)
+    # Packed, a suffix's keys are not where its direct prompt has them: within float rounding.
     _, _, timing = assert_shared_matches_direct(model, make_rows(count, [2, 16, 5]), tolerance=1e-5)
     assert timing["replicate_seconds"] == 0.0  # nothing was copied per row
     assert timing["padded_suffix_tokens"] == timing["true_suffix_tokens"]  # nor padded
@@ -229,5 +235,28 @@ def test_hybrid_models_take_the_shared_prefix_path(tiny_qwen):
     from semif_serve.scoring.shared import is_pure_attention
 
     assert not is_pure_attention(tiny_qwen.model)
-    _, _, timing = assert_shared_matches_direct(tiny_qwen, make_rows(3, [2]), tolerance=1e-5)
+    _, _, timing = assert_shared_matches_direct(tiny_qwen, make_rows(3, [2]), tolerance=0)
     assert tiny_qwen.model.config._attn_implementation == "semif_invariant"  # joins the prefix
+
+
+def test_a_hybrid_prefill_stops_at_a_chunk_start_and_a_shorter_prefix_runs_whole(tiny_qwen):
+    """Qwen3.5's delta rule sums 64-token chunks: its shared forward prefills the prefix up to
+    the start of the chunk it ends in (`prefill.prefill_length`), and with less than one chunk
+    every prompt runs whole in one padded forward (nothing stored); bit-identical either way."""
+    from semif_serve.scoring.prefill import linear_chunk
+    from semif_serve.scoring.prefix_cache import PrefixCache
+
+    assert linear_chunk(tiny_qwen.model.config) == 64  # its config names linear_attention layers
+    long_rows = make_rows(3, [2, 3])
+    _, _, timing = assert_shared_matches_direct(tiny_qwen, long_rows, tolerance=0)
+    encoded = shared_input(tiny_qwen.tokenizer, [parse_row(r) for r in long_rows], 4096)
+    assert timing["prefix_tokens"] == len(encoded.prefix_ids) // 64 * 64 == 64
+
+    short = make_rows(3, [2, 3], state="x")
+    prefix = len(shared_input(tiny_qwen.tokenizer, [parse_row(r) for r in short], 4096).prefix_ids)
+    assert 8 < prefix < 64
+    _, _, timing = assert_shared_matches_direct(tiny_qwen, short, tolerance=0)
+    assert timing["prefix_tokens"] == 0
+    view = PrefixCache(1 << 30, min_tokens=8).for_model(("shared", "short"))
+    result = score(tiny_qwen, short[0], max_tokens=4096, prefix_cache=view)
+    assert result["cache_hit"] is False and view.stats()["entries"] == 0

@@ -6,6 +6,8 @@ values cropped there). A hybrid entry's linear-attention states cannot be croppe
 at its end or at one of its checkpoints: copies of those states taken during its prefill every
 `checkpoint_tokens` tokens, BOUNDARY_TOKENS before its end (where a grown state still agrees),
 and at each position a caller marked (an OpenAI Decisions `prompt_cache_breakpoint`).
+A hybrid model's stops are each moved back to the start of the delta rule's chunk they fall in
+(`chunk_start`), where a continuation sums as one pass does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ BOUNDARY_TOKENS = 2
 # entry, and a hybrid entry's checkpoints (periodic, near its end, and where a caller marked).
 END, CROP, CHECKPOINT, BOUNDARY = "end", "crop", "checkpoint", "boundary"
 BREAKPOINT = "breakpoint"
+# Transformers' chunked delta rule (Qwen3.5's linear attention) sums each chunk of this many
+# tokens, counted from position 0, as one block: a prefill that stops inside a chunk and a
+# continuation after it sum that chunk's tokens in another order than one pass over them does.
+# So a hybrid model's prefills stop, and resume, only where a chunk starts.
+LINEAR_CHUNK_TOKENS = 64
+
+
+def chunk_start(position: int, chunk: int = LINEAR_CHUNK_TOKENS) -> int:
+    """The start of the `chunk`-token chunk that `position` falls in (itself at a chunk start)."""
+    return position - position % chunk
 
 
 def resume_point(entry: Any, shared: int) -> tuple[int, str | None, Any]:
@@ -42,12 +54,15 @@ def resume_point(entry: Any, shared: int) -> tuple[int, str | None, Any]:
     return position, kind, states
 
 
-def checkpoint_stops(start: int, end: int, every: int, marks: dict[int, str]) -> dict[int, str]:
+def checkpoint_stops(
+    start: int, end: int, every: int, marks: dict[int, str], chunk: int = 1
+) -> dict[int, str]:
     """The positions after `start` and before `end` where a prefill takes checkpoints, and their
     kinds: every multiple of `every` (0: none), BOUNDARY_TOKENS before the end, and the marked
-    positions."""
+    positions, each moved to the start of its `chunk` (of two there, the later kind)."""
     stops = {}
     if every > 0:
         stops = {at: CHECKPOINT for at in range((start // every + 1) * every, end, every)}
     stops[end - BOUNDARY_TOKENS] = BOUNDARY
-    return {at: kind for at, kind in (stops | marks).items() if start < at < end}
+    chunked = {chunk_start(at, chunk): kind for at, kind in (stops | marks).items()}
+    return {at: kind for at, kind in chunked.items() if start < at < end}

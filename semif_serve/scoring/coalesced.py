@@ -45,11 +45,12 @@ from semif_serve.scoring.direct import score as score_direct
 from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import Batched, DirectInput, Forward, SharedInput
 from semif_serve.scoring.model import ScoringModel
+from semif_serve.scoring.padded import last_hidden_states
 from semif_serve.scoring.prefill import result_reuse, reuse_timing
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, Reuse
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import RowError
-from semif_serve.scoring.shapes import AUTO, PAD_TOKEN_ID, Buckets, resolve
+from semif_serve.scoring.shapes import AUTO, Buckets, resolve
 from semif_serve.scoring.shared import score_shared, shared_outcome, state_prefix_sha256
 from semif_serve.scoring.template import TemplatePrefix
 
@@ -320,22 +321,14 @@ def _alone(scoring_model, item, max_tokens, buckets, prefix_cache) -> Batched:
 def _padded(
     scoring_model: ScoringModel, items: list[DirectInput], buckets: Buckets | None | str
 ) -> tuple[list[dict[str, Any]], tuple[int, int]]:
-    """Plain direct rows in one right-padded forward (with buckets, of `Buckets.batch`'s shape:
-    `_padded_ids`), each read at its own last real token; (their results, the forward's shape:
-    rows and width, padding included)."""
+    """Plain direct rows in one right-padded forward (`padded.last_hidden_states`; with
+    buckets, of `Buckets.batch`'s shape), each read at its own last real token; (their results,
+    the forward's shape: rows and width, padding included)."""
     started = perf_counter()
     model = scoring_model.model
-    device = model.device
-    input_ids = _padded_ids([item.prompt.ids for item in items], resolve(buckets, device))
-    shape = tuple(input_ids.shape)
-    last = torch.tensor([len(item.prompt.ids) for item in items]) - 1
     with torch.inference_mode():
-        # No attention mask: with right padding a causal model's real positions never see the
-        # padding after them (as direct.last_logits pads a bucket), and the unmasked causal
-        # kernel is the one a single row runs.
-        decoder = model.get_decoder()
-        hidden = decoder(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
-        rows = hidden[torch.arange(len(items), device=device), last.to(device)]
+        prompts = [item.prompt.ids for item in items]
+        rows, shape = last_hidden_states(model, prompts, resolve(buckets, model.device))
         letters = letter_logits(model, rows, [item.prompt for item in items])
     forward_seconds = perf_counter() - started
     results = [
@@ -343,20 +336,6 @@ def _padded(
         for item, row_letters in zip(items, letters)
     ]
     return results, shape
-
-
-def _padded_ids(prompts: list[list[int]], buckets: Buckets | None) -> torch.Tensor:
-    """The (rows, width) token ids of one batch forward over `prompts`, right-padded to the
-    longest; with buckets, `buckets.batch`'s shape: the width bucketed and rows of padding
-    tokens added after the real ones (separate rows: no real row sees them; their outputs are
-    never read)."""
-    rows, width = len(prompts), max(len(ids) for ids in prompts)
-    if buckets is not None:
-        rows, width = buckets.batch(rows, width)
-    input_ids = torch.full((rows, width), PAD_TOKEN_ID, dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return input_ids
 
 
 def _over_prefix(

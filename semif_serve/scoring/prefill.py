@@ -16,7 +16,9 @@ import torch
 from transformers import DynamicCache
 
 from semif_serve.scoring.cache import has_linear_layers, linear_checkpoint
+from semif_serve.scoring.checkpoints import LINEAR_CHUNK_TOKENS, chunk_start
 from semif_serve.scoring.prefix_cache import ModelPrefixCache, Reuse
+from semif_serve.scoring.shapes import Buckets
 
 
 @contextmanager
@@ -34,8 +36,27 @@ def prefilled(
     if prefix_cache is None:
         yield run(None, 0, [])[0], Reuse()
         return
-    with prefix_cache.resume(prefix_ids, run) as resumed:
+    with prefix_cache.resume(prefix_ids, run, linear_chunk(config)) as resumed:
         yield resumed
+
+
+def linear_chunk(config: Any) -> int:
+    """Where a prefill of a model of `config` may stop, and a continuation resume it, with
+    every token getting the bits one pass gives it: at multiples of the delta rule's chunk
+    (`checkpoints.LINEAR_CHUNK_TOKENS`) for a model with linear-attention layers, anywhere (1)
+    for any other."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    return LINEAR_CHUNK_TOKENS if "linear_attention" in layer_types else 1
+
+
+def prefill_length(config: Any, length: int, buckets: Buckets | None = None) -> int:
+    """How many of a `length`-token prefix's ids a shared forward prefills (its suffixes go on
+    from there): with shape buckets (CUDA), a prefix bucket's worth (`Buckets.prefix`: the
+    prefills warm-up ran); otherwise those before the `linear_chunk` the prefix ends in (all of
+    them for an attention-only model), where every token gets the bits one pass gives it."""
+    if buckets is not None:
+        return buckets.prefix(length)
+    return chunk_start(length, linear_chunk(config))
 
 
 def reuse_timing(reuse: Reuse) -> dict[str, Any]:

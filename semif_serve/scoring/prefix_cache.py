@@ -161,14 +161,16 @@ class PrefixCache:
         prefill: Prefill,
         marks: dict[int, str] | None = None,
         partition: str | None = None,
+        chunk: int = 1,
     ) -> Iterator[tuple[Any, Reuse]]:
         """(a cache positioned after `ids` for the caller to consume, what it reused).
 
         The longest stored start of `ids` among the entries of `model` and the caller's session
         `partition` is resumed and the rest prefilled (`prefill`); the result is stored, in
         that session, when the budget allows. `marks`: positions where a hybrid entry keeps a
-        checkpoint besides every `checkpoint_tokens`, and their kinds. The entries the call
-        uses stay pinned until the block ends."""
+        checkpoint besides every `checkpoint_tokens`, and their kinds; each checkpoint is taken
+        at the start of its `chunk` (`checkpoints.checkpoint_stops`). The entries the call uses
+        stay pinned until the block ends."""
         if not self.caches(len(ids)):
             yield prefill(None, 0, [])[0], Reuse()
             return
@@ -178,7 +180,9 @@ class PrefixCache:
             if found is not None and found.tokens == len(ids):  # nothing left to prefill
                 yield _copy(found), Reuse(len(ids), found.point, hit=True)
                 return
-            prefilled, entry, reuse = self._prefill_rest(space, ids, prefill, marks or {}, found)
+            prefilled, entry, reuse = self._prefill_rest(
+                space, ids, prefill, marks or {}, found, chunk
+            )
             if entry is None:  # not stored: the call consumes its own prefill
                 yield prefilled, reuse
                 return
@@ -197,12 +201,13 @@ class PrefixCache:
         prefill: Prefill,
         marks: dict[int, str],
         found: _Found | None,
+        chunk: int,
     ) -> tuple[Any, _Entry | None, Reuse]:
         """Prefill what `found` (None: a miss) does not resume, taking the checkpoints, and
         store the result: (the prefilled cache, its entry pinned or None, what was reused)."""
         start = 0 if found is None else found.tokens
         base = None if found is None else _copy(found)
-        stops = checkpoint_stops(start, len(ids), self.checkpoint_tokens, marks)
+        stops = checkpoint_stops(start, len(ids), self.checkpoint_tokens, marks, chunk)
         prefilled, states = prefill(base, start, sorted(stops))
         checkpoints = {at: (stops[at], taken) for at, taken in states.items()}
         entry = self._insert(space, ids, prefilled, checkpoints, found)
@@ -397,9 +402,9 @@ class ModelPrefixCache:
     def caches(self, prefix_length: int) -> bool:
         return self.store.caches(prefix_length)
 
-    def resume(self, ids: list[int], prefill: Prefill):
+    def resume(self, ids: list[int], prefill: Prefill, chunk: int = 1):
         marks = {at: BREAKPOINT for at in self.breakpoints}
-        return self.store.resume(self.model, ids, prefill, marks, self.partition)
+        return self.store.resume(self.model, ids, prefill, marks, self.partition, chunk)
 
     def finds(self, ids: list[int]) -> bool:
         return self.store.finds(self.model, ids, self.partition)

@@ -40,9 +40,16 @@ from semif_serve.scoring.head import letter_logits
 from semif_serve.scoring.inputs import SharedInput, shared_input
 from semif_serve.scoring.model import ScoringModel
 from semif_serve.scoring.packed import forward_packed
-from semif_serve.scoring.prefill import continue_from, prefilled, reuse_timing, synchronize
+from semif_serve.scoring.padded import last_hidden_states
+from semif_serve.scoring.prefill import (
+    continue_from,
+    prefill_length,
+    prefilled,
+    reuse_timing,
+    synchronize,
+)
 from semif_serve.scoring.prefix_attention import attending_to, enable_prefix_attention
-from semif_serve.scoring.prefix_cache import ModelPrefixCache
+from semif_serve.scoring.prefix_cache import ModelPrefixCache, Reuse
 from semif_serve.scoring.prompt import EncodedPrompt, prompt_sha256
 from semif_serve.scoring.result import build_result
 from semif_serve.scoring.rows import Row
@@ -144,13 +151,16 @@ def forward(
     rows_cache: Callable[[Any, range], None] | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The forward stage: each prompt's letter logits (CPU) and the phase timings (with
-    `cache_hit`). Every prompt's ids begin with `prefix_ids`. With `buckets`, only
-    `buckets.prefix(len(prefix_ids))` of them are prefilled (the rest start every suffix) and
-    every forward has a bucketed shape; with `prefix_cache`, that prefill may be a stored one.
+    `cache_hit`). Every prompt's ids begin with `prefix_ids`, of which
+    `prefill.prefill_length` are prefilled (the rest start every suffix): with `buckets` a
+    prefix bucket's worth, and every forward has a bucketed shape; without, a model with
+    linear-attention layers stops at the start of a delta-rule chunk. With no prefix left, each
+    prompt runs whole (`padded`). With `prefix_cache`, the prefill may be a stored one.
     `rows_cache(cache, rows)`: called after each suffix forward with its cache, which then holds
     every row's own keys and values, prefix included (rows: those prompts' indices)."""
-    if buckets is not None:
-        prefix_ids = prefix_ids[: buckets.prefix(len(prefix_ids))]
+    prefix_ids = prefix_ids[: prefill_length(model.config, len(prefix_ids), buckets)]
+    if not prefix_ids:
+        return _unshared(model, prompts, buckets)
     if is_pure_attention(model) and not invariant.installed(model) and rows_cache is None:
         return forward_packed(model, prefix_ids, prompts, buckets, prefix_cache)
     return _forward(model, prefix_ids, prompts, buckets, prefix_cache, rows_cache)
@@ -211,6 +221,24 @@ def _forward(
         "replicate_seconds": layout_seconds,
         "suffix_forward_seconds": suffix_seconds,
         "padded_suffix_tokens": padded_tokens,
+    }
+
+
+def _unshared(
+    model: Any, prompts: list[EncodedPrompt], buckets: Buckets | None
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """`forward` with no prefix to prefill: the prompts whole, in one right-padded forward."""
+    started = perf_counter()
+    with torch.inference_mode():
+        rows, shape = last_hidden_states(model, [prompt.ids for prompt in prompts], buckets)
+        letters = letter_logits(model, rows, prompts)
+    return letters, {
+        **reuse_timing(Reuse()),
+        "prefix_tokens": 0,
+        "prefill_seconds": 0.0,
+        "replicate_seconds": 0.0,
+        "suffix_forward_seconds": perf_counter() - started,
+        "padded_suffix_tokens": shape[0] * shape[1],
     }
 
 

@@ -71,11 +71,14 @@ class TemplatePrefix:
         return len(ids) > len(self.ids) and ids[: len(self.ids)] == self.ids
 
     @contextmanager
-    def resume(self, ids: list[int], prefill: Prefill) -> Iterator[tuple[Any, Reuse]]:
+    def resume(
+        self, ids: list[int], prefill: Prefill, chunk: int = 1
+    ) -> Iterator[tuple[Any, Reuse]]:
         """(a cache positioned after `ids` for the caller to consume, what it reused): a working
-        copy of the kept prefill of `ids`, prefilled and kept on first use. A cache that cannot
-        be shared (sliding-window layers: `cache.can_share_prefix`) is prefilled for each call
-        and never kept, as the state-prefix cache keeps none."""
+        copy of the kept prefill of `ids`, prefilled and kept on first use, in one piece (no
+        checkpoints: `chunk`, where the state-prefix cache would take them, changes nothing).
+        A cache that cannot be shared (sliding-window layers: `cache.can_share_prefix`) is
+        prefilled for each call and never kept, as the state-prefix cache keeps none."""
         key = tuple(ids)
         with self._lock:
             kept = self._kept.get(key)
