@@ -30,6 +30,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -235,37 +236,13 @@ def configure_logging() -> None:
     service.setLevel(logging.INFO)
 
 
-class RecordedRuntime(Runtime):
-    """The runtime whose management changes are written to the management state when they
-    succeed (a change that failed is not replayed)."""
-
-    def __init__(self, management: ManagementState, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.management = management
-
-    def register(self, model_id: str, table: dict[str, Any]) -> dict[str, Any]:
-        status = super().register(model_id, table)
-        self.management.registered(model_id, table)
-        return status
-
-    def unload(self, model_id: str) -> dict[str, Any]:
-        reply = super().unload(model_id)
-        self.management.unloaded([model_id])
-        return reply
-
-    def bulk_unload(self, model_ids: list[str]) -> dict[str, Any]:
-        reply = super().bulk_unload(model_ids)
-        self.management.unloaded(reply["unloaded"])
-        return reply
-
-
 def build_runtime(
     settings: Settings,
     engine_factory: Callable[..., Any] | None = None,
     state_file: Path | None = None,
 ) -> Any:
     """The registry: SEMIF_MODELS_FILE's models, or the one `default` model of SEMIF_MODEL;
-    with `state_file`, one that records its management changes there (`RecordedRuntime`).
+    with `state_file`, one that records its management changes there (`ManagementState`).
 
     Without SEMIF_PARALLEL_SLOTS every engine shares one device queue (INV-2: a fair FIFO
     lock whose waits keep each request's deadline); every engine shares one state-prefix cache
@@ -298,12 +275,19 @@ def build_runtime(
         def source_check(spec):
             return check_source(settings, spec)
 
-    arguments = (settings, factory, specs, default_id)
-    if state_file is None:
-        return Runtime(*arguments, source_check=source_check, device=shared_lock)
-    configuration = configuration_key([dataclasses.asdict(spec) for spec in specs], default_id)
-    management = ManagementState.open(state_file, configuration)
-    return RecordedRuntime(management, *arguments, source_check=source_check, device=shared_lock)
+    management = None
+    if state_file is not None:
+        configuration = configuration_key([dataclasses.asdict(spec) for spec in specs], default_id)
+        management = ManagementState.open(state_file, configuration)
+    return Runtime(
+        settings,
+        factory,
+        specs,
+        default_id,
+        source_check=source_check,
+        device=shared_lock,
+        management=management,
+    )
 
 
 RUNTIME: Any = None  # the process-wide runtime, created in the worker; closed at worker exit
@@ -331,13 +315,17 @@ def production_app(
 
 
 def replay_management(
-    runtime: RecordedRuntime,
+    runtime: Runtime,
     previous_worker: WorkerEnd | None,
     heartbeat: Callable[[], None] | None = None,
 ) -> None:
     """Replay the management state, saying so in one line: a warning naming how the previous
-    worker ended when it died (then even with nothing to replay)."""
-    report = runtime.management.replay(runtime.register, runtime.unload, heartbeat)
+    worker ended when it died (then even with nothing to replay). The replay itself records
+    nothing: the file already says it, and a worker killed in the middle leaves it whole (a
+    replayed PUT recorded as loaded before its model's replayed unload ran would lose that)."""
+    register = partial(runtime.register, record=False)
+    unload = partial(runtime.unload, record=False)
+    report = runtime.management.replay(register, unload, heartbeat)
     replayed = f"replayed management state ({runtime.management.path}): {report.summary()}"
     if previous_worker is not None and previous_worker.abnormal:
         log.warning(

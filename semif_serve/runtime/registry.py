@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from semif_serve.errors import (
@@ -55,8 +56,14 @@ class Runtime(Reconfiguration, Residency):
         clock: Callable[[], float] = time.monotonic,
         source_check: Callable[[ModelSpec], int | None] | None = None,
         device: Any = None,
+        management: Any = None,
     ):
         self._settings = settings
+        # Where management changes are recorded (`management_state.ManagementState`: its
+        # `registered(id, table)` and `unloaded(ids)`), each while its manager still holds the
+        # model, so the file takes a model's changes in the order they were served. None: not
+        # recorded.
+        self.management = management
         self._factory = engine_factory
         # From the layer that knows models (boot.check_source): raises BadManagementRequest when
         # a spec's source cannot load at all, else estimates its weights' resident bytes (None:
@@ -234,10 +241,11 @@ class Runtime(Reconfiguration, Residency):
         }
         return {**entry.status(), "batching": batching}
 
-    def register(self, model_id: str, table: dict[str, Any]) -> dict[str, Any]:
+    def register(self, model_id: str, table: dict[str, Any], record: bool = True) -> dict[str, Any]:
         """Register a new model or reconfigure one, then load it; 200 with its status.
 
-        The table and its source are checked before anything changes (400)."""
+        The table and its source are checked before anything changes (400). A success is
+        recorded (`record`: False when replaying the record itself)."""
         try:
             spec = parse_spec(model_id, table, self._settings)
         except SpecError as error:
@@ -247,13 +255,27 @@ class Runtime(Reconfiguration, Residency):
             entry = self._entries.get(model_id)
             if entry is None:  # published once, unloaded, before its first load
                 entry = self._entries[model_id] = self._scheduler(spec)
-        self._managed(entry, lambda held: self._reconfigure(held, spec, estimate))
+        def reconfigure(held: ModelScheduler) -> None:
+            self._reconfigure(held, spec, estimate)
+            if record and self.management is not None:
+                self.management.registered(model_id, table)
+
+        self._managed(entry, reconfigure)
         return self._status(entry)
 
-    def unload(self, model_id: str) -> dict[str, Any]:
-        entry = self.entry(model_id)
-        self._managed(entry, self._unload_alone)
+    def unload(self, model_id: str, record: bool = True) -> dict[str, Any]:
+        """Unload a model (it stays registered); recorded as `register`'s changes are."""
+        self._managed(self.entry(model_id), partial(self._unload_recorded, record=record))
         return {"id": model_id, "loaded": False}
+
+    def _unload_recorded(self, entry: ModelScheduler, record: bool = True) -> None:
+        """Unload `entry` (held alone), then record that, still holding it: also when its
+        engine's close failed, since the model is unloaded all the same."""
+        try:
+            self._unload_alone(entry)
+        finally:
+            if record and self.management is not None and entry.state == UNLOADED:
+                self.management.unloaded([entry.spec.id])
 
     def bulk_unload(self, model_ids: list[str]) -> dict[str, Any]:
         """Publish every barrier first, then wait; idle models are freed without waiting."""
@@ -266,7 +288,8 @@ class Runtime(Reconfiguration, Residency):
 
         def unload(model_id: str) -> None:
             try:
-                selected[model_id].run_managed(waiters[model_id], self._unload_alone, timeout=None)
+                entry = selected[model_id]
+                entry.run_managed(waiters[model_id], self._unload_recorded, timeout=None)
             except BaseException as error:  # reported after every selection was handled
                 errors.append(error)
 
