@@ -8,8 +8,10 @@ request after that. The injected error is a BaseException (an interrupt must not
 either). Fake engines; every wait is bounded.
 """
 
+import gc
 import threading
 import time
+import weakref
 from collections import Counter
 from types import SimpleNamespace
 
@@ -18,6 +20,7 @@ from fakes import WAIT_S
 from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
 
 from semif_serve.runtime import waiting as entry_module
+from semif_serve.runtime.scheduler import ModelScheduler
 
 GIB = 1 << 30
 
@@ -291,3 +294,57 @@ def test_a_failed_close_leaves_the_model_unloaded_and_the_next_request_loads_it(
         rt.unload("a")
     assert rt.entry("a").status()["state"] == "unloaded"  # not stuck "unloading"
     assert Held(rt, "a").finish().error is None
+
+
+class Weights:
+    """Stands for the model a failed build made (weakly referable)."""
+
+
+class FailingBuild(Factory):
+    """A build that makes its model, then fails (a warm-up that ran out of memory): the model
+    is a local of the failing frame, which the raised exception's traceback holds."""
+
+    def __call__(self, spec):
+        self.events.append(("load", spec.id))
+        weights = Weights()
+        self.built = weakref.ref(weights)
+        raise RuntimeError("warm-up failed")
+
+
+def test_a_failed_lazy_load_keeps_no_reference_to_the_model_it_built():
+    """Issue 40, defect 4: the failure handed to the waiting requests is a copy without the
+    traceback, so the model the failed build made is freed at once, not at the next failure."""
+    factory = FailingBuild()
+    rt = runtime(spec("a"), factory=factory)
+    failed = Held(rt, "a").finish().error
+    assert "warm-up failed" in str(failed)
+    failed = None  # the test's own reference to what it was handed
+    gc.collect()
+    assert factory.built() is None
+    assert "warm-up failed" in rt.entry("a").status()["last_load_error"]["message"]
+
+
+class RetiredBetweenReads(ModelScheduler):
+    """A scheduler whose engine is retired right after its first read."""
+
+    @property
+    def engine(self):
+        engine, self._engine = self.__dict__.get("_engine"), None
+        return engine
+
+    @engine.setter
+    def engine(self, value):
+        self._engine = value
+
+
+def test_health_reads_the_default_model_once_while_a_retire_may_run():
+    """Issue 40, defect 7: `/health` read the default model's engine twice without the lock, so
+    a retire in between answered the load balancer's probe with a 500."""
+    rt = runtime(spec("a"), factory=Factory())
+    Held(rt, "a").finish()
+    loaded = rt.entry("a").engine.model_info()
+    racing = RetiredBetweenReads(rt.entry("a").spec, rt._clock, rt._batching)
+    racing.engine = rt.entry("a").engine
+    rt._entries["a"] = racing
+    assert rt.default_model_info() == loaded
+    assert rt.default_model_info() == racing.spec.identity()  # now unloaded: as configured

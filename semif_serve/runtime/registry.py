@@ -220,11 +220,10 @@ class Runtime(Reconfiguration, Residency):
         return entry
 
     def default_model_info(self) -> dict[str, Any]:
-        """The default model as loaded (its engine's own account), else as configured."""
-        entry = self.entry(None)
-        if entry.engine is not None:
-            return entry.engine.model_info()
-        return entry.spec.identity()
+        """The default model as loaded (its engine's own account), else as configured: one
+        reading of both (`/health` reads this while a retire may run)."""
+        engine, spec = self.entry(None).serving()
+        return engine.model_info() if engine is not None else spec.identity()
 
     # -- management -----------------------------------------------------------------------------
 
@@ -255,6 +254,7 @@ class Runtime(Reconfiguration, Residency):
             entry = self._entries.get(model_id)
             if entry is None:  # published once, unloaded, before its first load
                 entry = self._entries[model_id] = self._scheduler(spec)
+
         def reconfigure(held: ModelScheduler) -> None:
             self._reconfigure(held, spec, estimate)
             if record and self.management is not None:
@@ -364,7 +364,7 @@ class Runtime(Reconfiguration, Residency):
             self.on_event(spec.id, "load_failed")
             if isinstance(error, (InsufficientMemory, BadManagementRequest)):
                 raise
-            log.error("loading model %s failed: %s", spec.id, error)
+            log.error("loading model %s failed: %s", spec.id, str(error))  # no reference kept
             raise ModelLoadFailed(f"loading model {spec.id!r} failed: {error}") from None
 
     def _publish(self, entry: ModelScheduler, engine: Any, capacity: int | None, spec) -> None:

@@ -72,10 +72,16 @@ class ModelScheduler:
         self._managed = False
         self._gathering = False  # a leader is choosing its batch: nobody else enters meanwhile
         self._loader: threading.Thread | None = None  # a request's load, running on its own
-        self._failed_load: BaseException | None = None  # why the last failed load failed
+        self._failed_load: BaseException | None = None  # why the last failed load failed (a copy)
         self.pace = Pace(clock)
 
     # -- observation (no reservation, no timer reset) -----------------------------------------
+
+    def serving(self) -> tuple[Any, ModelSpec]:
+        """(its engine, None when not loaded; its spec), read together: a retire or a
+        reconfigure changes them under the condition, never between the two."""
+        with self._cond:
+            return self.engine, self.spec
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -408,12 +414,13 @@ class ModelScheduler:
     def abort_load(self, error: BaseException | None = None) -> None:
         """A load that published nothing returns to unloaded (a later request retries it), and
         the admitted requests waiting for it wake; a request's load that failed with `error`
-        hands it to them."""
+        hands it to them: a copy that says what it says and holds no traceback (the raised
+        one's frames hold the model the failed build made, kept alive until the next failure)."""
         with self._cond:
             if self.state == LOADING:
                 self.state = UNLOADED
             if error is not None:
-                self._failed_load = error
+                self._failed_load = same_failure(error)
             self._cond.notify_all()
 
     def record_load_error(self, message: str) -> None:
