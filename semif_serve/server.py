@@ -44,6 +44,7 @@ from semif_serve.runtime.management_state import (
     STATE_FILE,
     ManagementState,
     configuration_key,
+    lock_folder,
     own_folder,
 )
 from semif_serve.runtime.registry import Runtime
@@ -378,13 +379,14 @@ def run(
     """Serve until SIGTERM/SIGINT; exits non-zero when the worker fails to boot, and with
     EXIT_CUT_OFF when the shutdown grace period cut off requests still in progress.
 
-    SEMIF_STATE_DIR is checked first, then SEMIF_BIND is listened on (a ConfigError names
-    either); unset, the management state lives in a private folder this process removes when
-    it stops. `engine_factory`: the production app over tests' fake engines; `ready_note`:
-    its text for the address listened on is printed to stdout each time a worker is ready
-    (`serve --token-file`'s curl example)."""
+    SEMIF_STATE_DIR is checked and taken first (a folder another server holds stops this
+    one), then SEMIF_BIND is listened on (a ConfigError names either); unset, the management
+    state lives in a private folder this process removes when it stops. `engine_factory`: the
+    production app over tests' fake engines; `ready_note`: its text for the address listened on
+    is printed to stdout each time a worker is ready (`serve --token-file`'s curl example)."""
     master = os.getpid()  # the forked worker returns through here too, with its SystemExit
     folder = own_folder(settings.state_dir) if settings.state_dir else None
+    held = lock_folder(folder) if folder is not None else None  # one server per folder
     private = None
     if folder is None and app_factory is None:  # tests' own apps keep no management state
         private = Path(tempfile.mkdtemp(prefix="semif-serve-state-"))
@@ -410,3 +412,5 @@ def run(
     finally:
         if private is not None and os.getpid() == master:
             shutil.rmtree(private, ignore_errors=True)
+        if held is not None:
+            os.close(held)

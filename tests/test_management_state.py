@@ -27,11 +27,13 @@ from semif_serve import cli
 from semif_serve.config import ConfigError
 from semif_serve.runtime import management_state
 from semif_serve.runtime.management_state import (
+    LOCK_FILE,
     STATE_FILE,
     ManagementState,
     ReplayReport,
     StateError,
     configuration_key,
+    lock_folder,
     own_folder,
     parse_state,
     render_state,
@@ -510,3 +512,36 @@ def test_a_worker_whose_predecessor_ended_cleanly_says_nothing_of_it(tmp_path):
         log = server.log_text()
     assert "previous worker" not in log
     assert "[INFO] semif_serve.server: replayed management state (" in log
+
+
+def test_a_state_folder_is_held_by_one_server_at_a_time(tmp_path):
+    """Issue 40, defect 3: two servers on one SEMIF_STATE_DIR overwrote each other's file. The
+    first holds the folder's lock; the second is refused naming the folder and the first's pid;
+    once the first lets go, the folder can be taken again."""
+    folder = own_folder(tmp_path / "state")
+    first = lock_folder(folder)
+    try:
+        assert (folder / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        why = f"{folder} is in use by another semif-serve server (pid {os.getpid()})"
+        with pytest.raises(ConfigError, match=rf"^SEMIF_STATE_DIR: {re.escape(why)}"):
+            lock_folder(folder)
+    finally:
+        os.close(first)
+    os.close(lock_folder(folder))
+
+
+def test_serve_on_a_state_folder_another_server_holds_exits_2_naming_it(
+    tmp_path, monkeypatch, capsys
+):
+    folder = own_folder(tmp_path / "state")
+    held = lock_folder(folder)  # stands for the other server
+    try:
+        monkeypatch.setenv("SEMIF_API_TOKEN", TOKEN)
+        monkeypatch.setenv("SEMIF_STATE_DIR", str(folder))
+        monkeypatch.setenv("SEMIF_MODEL", "builtin:smollm2-135m")
+        monkeypatch.setenv("SEMIF_DEVICE", "cpu")
+        assert cli.main(["serve"]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith(f"semif-serve: error: SEMIF_STATE_DIR: {folder} is in use by")
+    finally:
+        os.close(held)

@@ -19,6 +19,7 @@ import pytest
 from fakes import WAIT_S
 from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
 
+from semif_serve.errors import BadManagementRequest, ModelLoadFailed
 from semif_serve.runtime import waiting as entry_module
 from semif_serve.runtime.scheduler import ModelScheduler
 
@@ -348,3 +349,22 @@ def test_health_reads_the_default_model_once_while_a_retire_may_run():
     rt._entries["a"] = racing
     assert rt.default_model_info() == loaded
     assert rt.default_model_info() == racing.spec.identity()  # now unloaded: as configured
+
+
+def test_a_lazy_reload_that_no_longer_fits_its_slots_is_a_load_failure_not_a_400():
+    """Issue 40, defect 5: a model registered with slots=4, evicted, then reloaded by a request
+    on a device that takes 2 today answered that request with the management 400 "slots: 4 is
+    more than the 2 this model supports". Now the request gets the model's load failure (503),
+    saying why; the registration stays, and loads again once the device takes it."""
+    factory = Factory(capacity=16)
+    rt = runtime(spec("a", slots=4), factory=factory)
+    Held(rt, "a").finish()
+    rt.unload("a")
+    factory.capacity = 2
+    failed = Held(rt, "a").finish().error
+    assert isinstance(failed, ModelLoadFailed) and not isinstance(failed, BadManagementRequest)
+    assert "cannot be loaded as registered" in str(failed)
+    assert "a.slots: 4 is more than the 2 this model supports" in str(failed)
+    assert rt.entry("a").spec.slots == 4
+    factory.capacity = 16
+    assert Held(rt, "a").finish().error is None

@@ -12,7 +12,8 @@ fsync, `os.replace`): a worker killed in the middle leaves the old state or the 
 half of one. It holds a key of the startup configuration it was recorded over: a state recorded
 over other models (SEMIF_MODEL or SEMIF_MODELS_FILE changed between two runs with the same
 SEMIF_STATE_DIR) is not replayed. A file that cannot be read is logged in one line and the
-worker starts from the configured models; it never stops a worker from starting.
+worker starts from the configured models; it never stops a worker from starting. A server
+holds its folder (`lock_folder`): a second server started on it stops, naming the first.
 
 Plain Python: no HTTP, no torch. `semif_serve/server.py` records and replays through it.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import hashlib
 import json
 import logging
@@ -38,6 +40,7 @@ from semif_serve.config import ConfigError
 log = logging.getLogger(__name__)
 
 STATE_FILE = "management.json"
+LOCK_FILE = ".lock"  # held by the server using the folder (`lock_folder`)
 FORMAT = 1
 FOLDER_MODE = 0o700
 VARIABLE = "SEMIF_STATE_DIR"
@@ -177,6 +180,30 @@ def own_folder(folder: Path) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"{VARIABLE}: {folder} is not writable by this user")
     return folder
+
+
+def lock_folder(folder: Path) -> int:
+    """Take `folder` for this server: an exclusive lock on its LOCK_FILE (holding this process's
+    pid), kept while the returned descriptor stays open (the worker forked from this process
+    shares it). A folder another server holds is a ConfigError naming SEMIF_STATE_DIR and that
+    server's pid: two servers on one folder would overwrite each other's state."""
+    path = folder / LOCK_FILE
+    try:
+        handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        raise ConfigError(f"{VARIABLE}: cannot open {path}: {error.strerror or error}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(handle, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(handle)
+        raise ConfigError(
+            f"{VARIABLE}: {folder} is in use by another semif-serve server (pid {holder}); "
+            "one server per folder"
+        ) from None
+    os.ftruncate(handle, 0)
+    os.pwrite(handle, f"{os.getpid()}\n".encode(), 0)
+    return handle
 
 
 @dataclass

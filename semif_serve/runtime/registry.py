@@ -140,7 +140,7 @@ class Runtime(Reconfiguration, Residency):
         entry = self.entry(model_id)
         deadline = self.deadline(timeout_s)
         with _queue_errors(entry, self._wait_for(entry)):
-            engine = entry.lease(deadline, self._load_admitted, gone, tokens)
+            engine = entry.lease(deadline, self._load_requested, gone, tokens)
         served = False
         try:
             with _queue_errors(entry, self._wait_for(entry)), self._device_turn(deadline, gone):
@@ -176,7 +176,7 @@ class Runtime(Reconfiguration, Residency):
                 log.exception("recording a batch of model %s failed", model)
 
         with _queue_errors(entry, self._wait_for(entry)):
-            return entry.serve(job, self._load_admitted, run)
+            return entry.serve(job, self._load_requested, run)
 
     def _wait_for(self, entry: ModelScheduler) -> Callable[[], float | None]:
         """What a request to `entry` would wait: its own model's estimate, or every model's
@@ -325,6 +325,19 @@ class Runtime(Reconfiguration, Residency):
         except BaseException:
             entry.abort_load()
             raise
+
+    def _load_requested(self, entry: ModelScheduler) -> None:
+        """A request's lazy load of the registered spec (`_load_admitted`). One that no longer
+        loads as registered (its `slots` above what the device takes today, more memory in
+        use) is the model's load failure (503, saying why, logged), never a management 400
+        answered to a scoring call; its registration is unchanged."""
+        try:
+            self._load_admitted(entry)
+        except BadManagementRequest as error:
+            log.warning("model %s cannot be loaded as registered: %s", entry.spec.id, error)
+            raise ModelLoadFailed(
+                f"model {entry.spec.id!r} cannot be loaded as registered: {error}"
+            ) from None
 
     def _load_admitted(self, entry: ModelScheduler, spec: ModelSpec | None = None) -> None:
         """Build `spec`'s engine (default: the registered spec) privately, then publish it whole."""
