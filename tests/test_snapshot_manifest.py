@@ -10,10 +10,11 @@ import os
 
 import pytest
 
-from semif_serve.engine import builtin, snapshot_manifest
+from semif_serve.engine import builtin, loading, snapshot_manifest
 from semif_serve.engine.snapshot_manifest import (
     MARKER,
     ManifestError,
+    OlderMarker,
     build,
     digest,
     listed_files,
@@ -45,6 +46,17 @@ def flip_byte(path, offset):
         handle.seek(offset)
         handle.write(bytes([byte ^ 1]))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def half(path):
+    """Cut a file to its first half (a write that stopped there)."""
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def json_edit(path, key, value):
+    document = json.loads(path.read_text())
+    document[key] = value
+    path.write_text(json.dumps(document))
 
 
 def fake_dequantise(calls):
@@ -141,6 +153,9 @@ def test_the_digest_names_the_files_and_nothing_else():
     ("text", "message"),
     [
         ("converted from /x/SmolLM2-135M-Instruct.Q4_1.gguf\n", "an older semif-serve"),
+        ('{"format": "semif-snapshot-manifest/1", "files": {"a": {"si', "is damaged"),
+        ("", "is damaged"),
+        ("converted from x\n{}\n", "is damaged"),  # more than the older marker's one line
         ('{"format": "semif-snapshot-manifest/0", "files": {}}', "is not a semif-snapshot"),
         ('["semif-snapshot-manifest/1"]', "is not a semif-snapshot"),
         ('{"format": "semif-snapshot-manifest/1"}', "lists its files badly"),
@@ -156,8 +171,10 @@ def test_the_digest_names_the_files_and_nothing_else():
 )
 def test_a_marker_that_is_not_a_manifest_of_this_format_is_an_error(tmp_path, text, message):
     (tmp_path / MARKER).write_text(text)
-    with pytest.raises(ManifestError, match=message):
+    with pytest.raises(ManifestError, match=message) as raised:
         read(tmp_path)
+    # Only an older semif-serve's one line of text is that; anything else is damage.
+    assert isinstance(raised.value, OlderMarker) is (message == "an older semif-serve")
 
 
 def test_a_folder_without_a_marker_has_no_manifest(tmp_path):
@@ -187,6 +204,8 @@ def test_a_snapshot_converts_when_missing_then_is_checked_and_reused(tmp_path, m
         (lambda f: flip_byte(f / "model.safetensors", 12345), "model.safetensors has sha256"),
         (lambda f: (f / "config.json").unlink(), "config.json is missing"),
         (lambda f: (f / MARKER).write_text("converted from x.gguf\n"), "an older semif-serve"),
+        (lambda f: half(f / MARKER), "its manifest is damaged"),
+        (lambda f: json_edit(f / MARKER, "files", []), "its manifest is damaged"),
     ],
 )
 def test_a_snapshot_that_differs_from_its_manifest_is_converted_again_with_one_warning(
@@ -267,3 +286,37 @@ def test_a_hash_mismatch_shows_the_first_16_hex_digits_of_each_digest(tmp_path):
     assert problems(tmp_path, manifest) == [
         f"config.json has sha256 {now[:16]}..., not {was[:16]}..."
     ]
+
+
+# --- a local folder carrying a manifest (issue 40, defect 6) ------------------------------------
+
+
+def located(folder):
+    return loading.Located(name=folder, revision="local", kwargs={}, folder=folder)
+
+
+@pytest.mark.parametrize(
+    "damage", [lambda f: half(f / MARKER), lambda f: json_edit(f / MARKER, "files", {"x": 1})]
+)
+def test_a_local_folder_whose_manifest_is_damaged_is_refused_not_loaded_unchecked(tmp_path, damage):
+    """A damaged manifest used to count as an older semif-serve's marker: the folder loaded
+    unchecked, so zeroed weights passed beside a half-written manifest."""
+    folder = tmp_path / "model"
+    written(folder)
+    zero_block(folder / "model.safetensors", 4096)
+    damage(folder)
+    with pytest.raises(loading.ModelLoadError, match="its manifest is damaged") as refused:
+        loading.check_folder_manifest(str(folder), located(folder))
+    assert str(folder) in str(refused.value) and MARKER in str(refused.value)
+
+
+def test_a_local_folder_with_an_older_marker_loads_unchecked_saying_so(tmp_path, caplog):
+    folder = tmp_path / "model"
+    written(folder)
+    (folder / MARKER).write_text("converted from x.gguf\n")
+    with caplog.at_level(logging.WARNING, logger="semif_serve.engine.loading"):
+        loading.check_folder_manifest(str(folder), located(folder))
+    (warning,) = caplog.records
+    assert (
+        "older semif-serve" in warning.getMessage() and "loaded unchecked" in warning.getMessage()
+    )

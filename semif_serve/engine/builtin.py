@@ -126,8 +126,10 @@ def check_folder(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     it is not converted yet; (None, why) when it must not be served."""
     try:
         manifest = snapshot_manifest.read(folder)
-    except snapshot_manifest.ManifestError:
+    except snapshot_manifest.OlderMarker:
         return None, "an older semif-serve converted it and wrote no manifest of its files"
+    except snapshot_manifest.ManifestError as error:
+        return None, f"its manifest is damaged ({error})"
     except OSError as error:
         return None, f"its manifest cannot be read ({error})"
     if manifest is None:

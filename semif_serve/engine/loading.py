@@ -15,6 +15,7 @@ torn down) and estimates the bytes its weights will hold.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from semif_serve.scoring import invariant as invariant_numerics
 from semif_serve.scoring.head import UnsupportedModel
 from semif_serve.scoring.model import ModelInfo, ScoringModel
 from semif_serve.scoring.prefix_attention import ATTENTION_NAME as PREFIX_ATTENTION
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PINNED_REVISION = re.compile(r"[0-9a-f]{40}")
@@ -181,17 +184,25 @@ def weights_unchanged(source: str, revision: str) -> bool:
 
 def check_folder_manifest(source: str, located: Located) -> None:
     """A local folder that carries a semif-serve manifest (a converted snapshot copied there) is
-    checked against it, file by file; a difference is a ModelLoadError naming the files. A folder
-    without one cannot be checked bit for bit (the built-in model's snapshot is checked, and
-    converted again, by `builtin.snapshot`)."""
+    checked against it, file by file; a difference, or a damaged manifest, is a ModelLoadError
+    naming the files. A folder without one, or with an older semif-serve's marker (no manifest:
+    one warning line), cannot be checked bit for bit (the built-in model's snapshot is checked,
+    and converted again, by `builtin.snapshot`)."""
     if source.startswith(builtin.PREFIX) or not isinstance(located.name, Path):
         return
     folder = located.name
     try:
         manifest = snapshot_manifest.read(folder)
         found = [] if manifest is None else snapshot_manifest.problems(folder, manifest)
-    except snapshot_manifest.ManifestError:
-        return  # an older semif-serve's marker: nothing to check against
+    except snapshot_manifest.OlderMarker:
+        log.warning(
+            "model folder %s holds an older semif-serve's %s, no manifest: loaded unchecked",
+            folder,
+            snapshot_manifest.MARKER,
+        )
+        return
+    except snapshot_manifest.ManifestError as error:
+        found = [f"its manifest is damaged ({error})"]
     except OSError as error:
         found = [f"its files cannot be read ({error})"]
     if found:

@@ -27,7 +27,15 @@ BLOCK = 1 << 22
 
 
 class ManifestError(ValueError):
-    """A marker that is not a manifest of this format (an older semif-serve's, or damaged)."""
+    """A marker that is not a manifest of this format: damaged, or (`OlderMarker`) the line of
+    text an older semif-serve wrote as its completion marker."""
+
+
+class OlderMarker(ManifestError):
+    """The completion marker of a semif-serve from before manifests: no manifest to check by."""
+
+
+OLDER_MARKER = "converted from "  # how those markers begin (`converted from <gguf path>`)
 
 
 def file_sha256(path: Path) -> str:
@@ -64,16 +72,19 @@ def write(folder: Path, manifest: dict[str, Any]) -> None:
 
 
 def read(folder: Path) -> dict[str, Any] | None:
-    """The folder's manifest; None when it has no marker; ManifestError when the marker is not
-    a manifest of this format (an older semif-serve wrote a line of text there)."""
+    """The folder's manifest; None when it has no marker; OlderMarker when an older
+    semif-serve's line of text is there; ManifestError when the marker is damaged (not JSON,
+    another format, its files listed badly): a damaged snapshot, never one to load unchecked."""
     try:
-        text = (folder / MARKER).read_text()
+        text = (folder / MARKER).read_text(errors="replace")
     except FileNotFoundError:
         return None
+    if text.startswith(OLDER_MARKER) and text.count("\n") <= 1:
+        raise OlderMarker(f"{MARKER} is an older semif-serve's marker, not a manifest")
     try:
         manifest = json.loads(text)
     except ValueError:
-        raise ManifestError(f"{MARKER} is not a manifest (an older semif-serve wrote it)") from None
+        raise ManifestError(f"{MARKER} is damaged (not a JSON manifest)") from None
     if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT):
         raise ManifestError(f"{MARKER} is not a {FORMAT} manifest")
     files = manifest.get("files")
