@@ -9,6 +9,7 @@ either). Fake engines; every wait is bounded.
 """
 
 import gc
+import logging
 import threading
 import time
 import weakref
@@ -351,7 +352,7 @@ def test_health_reads_the_default_model_once_while_a_retire_may_run():
     assert rt.default_model_info() == racing.spec.identity()  # now unloaded: as configured
 
 
-def test_a_lazy_reload_that_no_longer_fits_its_slots_is_a_load_failure_not_a_400():
+def test_a_lazy_reload_that_no_longer_fits_its_slots_is_a_load_failure_not_a_400(caplog):
     """Issue 40, defect 5: a model registered with slots=4, evicted, then reloaded by a request
     on a device that takes 2 today answered that request with the management 400 "slots: 4 is
     more than the 2 this model supports". Now the request gets the model's load failure (503),
@@ -361,7 +362,11 @@ def test_a_lazy_reload_that_no_longer_fits_its_slots_is_a_load_failure_not_a_400
     Held(rt, "a").finish()
     rt.unload("a")
     factory.capacity = 2
-    failed = Held(rt, "a").finish().error
+    with caplog.at_level(logging.WARNING, logger="semif_serve.runtime.registry"):
+        failed = Held(rt, "a").finish().error
+    assert [record.getMessage() for record in caplog.records] == [
+        "model a cannot be loaded as registered: a.slots: 4 is more than the 2 this model supports"
+    ]
     assert isinstance(failed, ModelLoadFailed) and not isinstance(failed, BadManagementRequest)
     assert "cannot be loaded as registered" in str(failed)
     assert "a.slots: 4 is more than the 2 this model supports" in str(failed)

@@ -334,7 +334,7 @@ class Runtime(Reconfiguration, Residency):
         try:
             self._load_admitted(entry)
         except BadManagementRequest as error:
-            log.warning("model %s cannot be loaded as registered: %s", entry.spec.id, error)
+            log.warning("model %s cannot be loaded as registered: %s", entry.spec.id, str(error))
             raise ModelLoadFailed(
                 f"model {entry.spec.id!r} cannot be loaded as registered: {error}"
             ) from None
