@@ -177,6 +177,13 @@ def test_a_marker_that_is_not_a_manifest_of_this_format_is_an_error(tmp_path, te
     assert isinstance(raised.value, OlderMarker) is (message == "an older semif-serve")
 
 
+def test_a_marker_of_bytes_that_are_not_text_is_damaged(tmp_path):
+    (tmp_path / MARKER).write_bytes(b'{"format": "semif-snapshot-manifest/1", \xff\xfe\x00')
+    with pytest.raises(ManifestError, match="is damaged") as raised:
+        read(tmp_path)
+    assert not isinstance(raised.value, OlderMarker)
+
+
 def test_a_folder_without_a_marker_has_no_manifest(tmp_path):
     assert read(tmp_path) is None
 
