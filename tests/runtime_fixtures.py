@@ -179,3 +179,21 @@ def watch_waits(entry, when=lambda: True) -> threading.Event:
     event is set once a thread waits on it while `when()` holds."""
     entry._cond = WatchedCondition(when)
     return entry._cond.waited
+
+
+def bulk_unload_with_a_failed_close(rt, factory) -> None:
+    """Load a and b, then unload both in bulk while b's engine fails to close: the bulk unload
+    raises that failure (after handling both)."""
+    Held(rt, "a").finish()
+    Held(rt, "b").finish()
+
+    def broken_close():
+        raise RuntimeError("close failed")
+
+    factory.engines["b"].close = broken_close
+    try:
+        rt.bulk_unload(["b", "a"])
+    except RuntimeError as error:
+        assert str(error) == "close failed"
+    else:
+        raise AssertionError("the bulk unload reported no failure")

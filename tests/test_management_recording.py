@@ -16,7 +16,14 @@ import threading
 
 import pytest
 from fakes import WAIT_S
-from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
+from runtime_fixtures import (
+    Background,
+    Factory,
+    bulk_unload_with_a_failed_close,
+    runtime,
+    spec,
+    wait_until,
+)
 
 from semif_serve.errors import ModelLoadFailed
 from semif_serve.runtime import management_state
@@ -95,15 +102,7 @@ def test_two_puts_on_one_model_are_written_in_the_order_they_were_served(tmp_pat
 def test_a_bulk_unload_records_every_model_it_unloaded_a_failed_close_included():
     factory = Factory()
     rt, recorder = recorded(spec("a"), spec("b"), factory=factory)
-    Held(rt, "a").finish()
-    Held(rt, "b").finish()
-
-    def broken_close():
-        raise RuntimeError("close failed")
-
-    factory.engines["b"].close = broken_close
-    with pytest.raises(RuntimeError, match="^close failed$"):
-        rt.bulk_unload(["b", "a"])
+    bulk_unload_with_a_failed_close(rt, factory)
     assert {rt.entry(i).status()["state"] for i in "ab"} == {"unloaded"}
     assert sorted(recorder.records) == [("unloaded", "a", True), ("unloaded", "b", True)]
 

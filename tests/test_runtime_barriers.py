@@ -6,7 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 from fakes import WAIT_S
-from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wait_until
+from runtime_fixtures import (
+    Background,
+    Clock,
+    Factory,
+    Held,
+    bulk_unload_with_a_failed_close,
+    runtime,
+    spec,
+    wait_until,
+)
 
 from semif_serve.errors import InsufficientMemory, QueueTimedOut
 from semif_serve.runtime import waiting as entry_module
@@ -102,15 +111,7 @@ def test_an_evicted_model_is_held_alone_until_the_eviction_ends_then_serves_agai
 def test_bulk_unload_reports_a_failed_unload_after_handling_every_model():
     factory = Factory()
     rt = runtime(spec("a"), spec("b"), factory=factory)
-    Held(rt, "a").finish()
-    Held(rt, "b").finish()
-
-    def broken_close():
-        raise RuntimeError("close failed")
-
-    factory.engines["b"].close = broken_close
-    with pytest.raises(RuntimeError, match="^close failed$"):
-        rt.bulk_unload(["b", "a"])
+    bulk_unload_with_a_failed_close(rt, factory)
     assert rt.entry("a").status()["state"] == "unloaded"
 
 
