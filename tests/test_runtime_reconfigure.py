@@ -19,7 +19,12 @@ from fakes import WAIT_S
 from runtime_fixtures import Background, Clock, Factory, Held, runtime, spec, wait_until
 
 from semif_serve.engine.boot import check_source
-from semif_serve.errors import BadManagementRequest, InsufficientMemory, ModelLoadFailed
+from semif_serve.errors import (
+    BadManagementRequest,
+    InsufficientMemory,
+    ModelLoadFailed,
+    ModelNotFound,
+)
 
 GIB = 1 << 30
 NEW = {"source": "test:a2", "device": "cpu"}
@@ -286,18 +291,66 @@ def test_an_unloaded_model_keeps_its_configuration_when_the_new_one_fails():
     assert served_by(rt).spec.source == "test:a"
 
 
-def test_a_new_model_that_fails_to_load_stays_registered_with_its_error():
+def test_a_new_model_that_fails_to_load_is_not_registered():
+    # Issue 40, defect 2: it stayed registered in the live worker (listed, loaded by the next
+    # request) although the state file never had it, so a respawned worker answered 404.
     factory = Factory()
     factory.failing["test:b"] = OSError("broken")
     rt = runtime(spec("a"), factory=factory)
     with pytest.raises(ModelLoadFailed, match="broken"):
         rt.register("b", {"source": "test:b", "device": "cpu"})
-    status = rt.entry("b").status()
-    assert status["state"] == "unloaded" and "broken" in status["last_load_error"]["message"]
-    assert isinstance(Held(rt, "b").finish().error, ModelLoadFailed)  # retried, and failed
+    assert [status["id"] for status in rt.status()] == ["a"]
+    assert isinstance(Held(rt, "b").finish().error, ModelNotFound)
     del factory.failing["test:b"]
+    assert rt.register("b", {"source": "test:b", "device": "cpu"})["state"] == "ready"
     assert served_by(rt, "b").spec.source == "test:b"
-    assert rt.entry("b").status()["last_load_error"] is None
+    assert factory.events.count(("load", "b")) == 2  # the failed PUT's, the second PUT's
+
+
+def new_model_loading(factory, rt, table):
+    """A PUT of new model b, holding it while its first load waits at the gate."""
+    factory.load_gate, factory.load_started = threading.Event(), threading.Event()
+    register = Background(lambda: rt.register("b", table))
+    assert factory.load_started.wait(WAIT_S)
+    return register
+
+
+def test_a_request_queued_for_a_new_model_whose_load_fails_is_told_it_is_not_registered():
+    factory = Factory()
+    factory.failing["test:b"] = OSError("broken")
+    rt = runtime(spec("a"), factory=factory)
+    register = new_model_loading(factory, rt, {"source": "test:b", "device": "cpu"})
+    request = Held(rt, "b")  # found b registered, and queued behind its PUT
+    wait_until(lambda: rt.entry("b").status()["queued_requests"] == 1)
+    factory.load_gate.set()
+    with pytest.raises(ModelLoadFailed, match="broken"):
+        register.result()
+    error = request.finish().error
+    assert isinstance(error, ModelNotFound)
+    assert str(error) == "model 'b' is not registered (its registration failed)"
+    assert factory.events.count(("load", "b")) == 1  # the request never loaded it
+
+
+def test_managers_queued_behind_a_failed_new_registration():
+    # A second PUT registers the model anew; an unload is told it is not registered; a bulk
+    # unload lists it as not found.
+    factory = Factory()
+    factory.fail_next_load = OSError("broken")
+    rt = runtime(spec("a"), factory=factory)
+    register = new_model_loading(factory, rt, {"source": "test:b", "device": "cpu"})
+    entry = rt.entry("b")
+    unload = Background(lambda: rt.unload("b"))
+    bulk = Background(lambda: rt.bulk_unload(["b"]))
+    again = Background(lambda: rt.register("b", {"source": "test:b", "device": "cpu"}))
+    wait_until(lambda: len(entry._queue) == 3)
+    factory.load_gate.set()
+    with pytest.raises(ModelLoadFailed, match="broken"):
+        register.result()
+    with pytest.raises(ModelNotFound, match="its registration failed"):
+        unload.result()
+    assert bulk.result() == {"unloaded": [], "not_found": ["b"]}
+    assert again.result()["state"] == "ready"
+    assert rt.entry("b") is not entry and rt.entry("b").status()["state"] == "ready"
 
 
 def test_a_request_queued_behind_a_failed_reconfigure_runs_on_the_old_engine():

@@ -28,10 +28,10 @@ from semif_serve.errors import (
     QueueTimedOut,
     ServerBusy,
 )
-from semif_serve.runtime.jobs import LEFT, Job, abandoned, forwards, run_jobs
+from semif_serve.runtime.jobs import LEFT, Job, Waiter, abandoned, forwards, run_jobs
 from semif_serve.runtime.reconfiguration import Reconfiguration
 from semif_serve.runtime.residency import Residency
-from semif_serve.runtime.scheduler import LOADING, READY, UNLOADED, ModelScheduler
+from semif_serve.runtime.scheduler import LOADING, READY, UNLOADED, ModelScheduler, Withdrawn
 from semif_serve.runtime.selection import BatchLimits
 from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
 from semif_serve.runtime.waiting import (
@@ -250,22 +250,53 @@ class Runtime(Reconfiguration, Residency):
         except SpecError as error:
             raise BadManagementRequest(str(error)) from None
         estimate = self._source_check(spec)
+        while True:
+            with self._lock:
+                entry = self._entries.get(model_id)
+                new = entry is None
+                if new:  # listed, its manager first in its queue; withdrawn if its load fails
+                    entry = self._entries[model_id] = self._scheduler(spec)
+                waiter = entry.enqueue_manager()
+            try:
+                operation = partial(self._register_held, table, spec, estimate, new, record)
+                self._managed(entry, operation, waiter)
+            except Withdrawn:  # an earlier registration of this new id failed as this one queued
+                continue
+            return self._status(entry)
+
+    def _register_held(
+        self,
+        table: dict[str, Any],
+        spec: ModelSpec,
+        estimate: int | None,
+        new: bool,
+        record: bool,
+        entry: ModelScheduler,
+    ) -> None:
+        """`register`'s change, holding the model alone; recorded while still held. A new
+        model whose load fails is withdrawn: no longer listed, and whoever queued for it meanwhile
+        is told it is not registered (404), as a server restarted from the record would say."""
+        try:
+            self._reconfigure(entry, spec, estimate)
+        except BaseException:
+            if new:
+                self._withdraw(entry)
+            raise
+        if record and self.management is not None:
+            self.management.registered(spec.id, table)
+
+    def _withdraw(self, entry: ModelScheduler) -> None:
         with self._lock:
-            entry = self._entries.get(model_id)
-            if entry is None:  # published once, unloaded, before its first load
-                entry = self._entries[model_id] = self._scheduler(spec)
-
-        def reconfigure(held: ModelScheduler) -> None:
-            self._reconfigure(held, spec, estimate)
-            if record and self.management is not None:
-                self.management.registered(model_id, table)
-
-        self._managed(entry, reconfigure)
-        return self._status(entry)
+            if self._entries.get(entry.spec.id) is entry:
+                del self._entries[entry.spec.id]
+        entry.withdraw()
 
     def unload(self, model_id: str, record: bool = True) -> dict[str, Any]:
         """Unload a model (it stays registered); recorded as `register`'s changes are."""
-        self._managed(self.entry(model_id), partial(self._unload_recorded, record=record))
+        try:
+            self._managed(self.entry(model_id), partial(self._unload_recorded, record=record))
+        except Withdrawn as error:
+            raise ModelNotFound(str(error)) from None
         return {"id": model_id, "loaded": False}
 
     def _unload_recorded(self, entry: ModelScheduler, record: bool = True) -> None:
@@ -285,11 +316,14 @@ class Runtime(Reconfiguration, Residency):
         with self._bulk_publication:
             waiters = {i: entry.enqueue_manager() for i, entry in selected.items()}
         errors: list[BaseException] = []
+        withdrawn: list[str] = []
 
         def unload(model_id: str) -> None:
             try:
                 entry = selected[model_id]
                 entry.run_managed(waiters[model_id], self._unload_recorded, timeout=None)
+            except Withdrawn:  # its registration failed as this waited: not found after all
+                withdrawn.append(model_id)
             except BaseException as error:  # reported after every selection was handled
                 errors.append(error)
 
@@ -306,11 +340,20 @@ class Runtime(Reconfiguration, Residency):
                     thread.join()
         if errors:
             raise errors[0]
-        return {"unloaded": list(selected), "not_found": not_found}
+        unloaded = [model_id for model_id in selected if model_id not in withdrawn]
+        return {"unloaded": unloaded, "not_found": not_found + withdrawn}
 
-    def _managed(self, entry: ModelScheduler, operation: Callable[[ModelScheduler], Any]) -> Any:
+    def _managed(
+        self,
+        entry: ModelScheduler,
+        operation: Callable[[ModelScheduler], Any],
+        waiter: Waiter | None = None,
+    ) -> Any:
+        """`operation`, holding the model alone, after everyone queued before its `waiter`
+        (default: queued now); `Withdrawn` passes (`register` retries, `unload` says 404)."""
         try:
-            return entry.manage(operation, self.queue_timeout(None))
+            waiter = waiter or entry.enqueue_manager()
+            return entry.run_managed(waiter, operation, self.queue_timeout(None))
         except QueueTimeout as error:
             raise QueueTimedOut(str(error)) from None
 
@@ -411,8 +454,8 @@ class Runtime(Reconfiguration, Residency):
 @contextmanager
 def _queue_errors(entry: ModelScheduler, estimate: Callable[[], float | None]) -> Iterator[None]:
     """A request's way out of its waits, as the HTTP layer knows it: 429 (refused for its
-    deadline), 503 (its deadline passed: it says when to retry, `estimate`) or 499 (its caller
-    left: counted as abandoned while queued)."""
+    deadline), 503 (its deadline passed: it says when to retry, `estimate`), 499 (its caller
+    left: counted as abandoned while queued) or 404 (the model's registration failed)."""
     try:
         yield
     except WouldTimeOut as error:
@@ -422,3 +465,5 @@ def _queue_errors(entry: ModelScheduler, estimate: Callable[[], float | None]) -
     except WaiterGone as error:
         entry.count_abandoned("queued")
         raise ClientGone(f"the client closed its connection: {error}") from None
+    except Withdrawn as error:
+        raise ModelNotFound(str(error)) from None

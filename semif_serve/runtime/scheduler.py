@@ -15,6 +15,8 @@ called in, and the scheduler decides each step:
   queued for nobody.
 - a manager (register, reconfigure, unload) enters when it is at the head, nothing is admitted
   and no load runs; it then holds the model alone. Nothing is admitted past a queued manager.
+- a new model whose registering load failed is withdrawn: everyone queued for it leaves
+  (`Withdrawn`), and it never loads (the registry has already dropped it).
 - the first request to find the model unloaded starts its load, in a thread of its own; every
   request then waits for the load within its own deadline (the load goes on for the next ones),
   and when it fails they all get its error (a later request tries a new load).
@@ -42,13 +44,22 @@ from semif_serve.runtime.selection import BatchLimits, gather_ends, select
 from semif_serve.runtime.specs import ModelSpec
 from semif_serve.runtime.waiting import Deadline, Gone, deadline_after, wait_until
 
-UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING = (
+UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING, WITHDRAWN = (
     "unloaded",
     "loading",
     "ready",
     "reconfiguring",
     "unloading",
+    "withdrawn",  # a new model whose registration failed: it never served, and never will
 )
+
+
+class Withdrawn(Exception):
+    """The model's registration failed while this waiter queued for it: it is not registered
+    (the waiter left its queue and holds nothing)."""
+
+    def __init__(self, model_id: str):
+        super().__init__(f"model {model_id!r} is not registered (its registration failed)")
 
 
 class ModelScheduler:
@@ -199,11 +210,13 @@ class ModelScheduler:
         try:
             wait_until(
                 self._cond,
-                lambda: served() or self._may_enter(waiter),
+                lambda: served() or self._may_enter(waiter) or self.state == WITHDRAWN,
                 waiter.deadline,
                 waiter.gone,
                 f"model {self.spec.id!r}",
             )
+            if not served() and self.state == WITHDRAWN:
+                raise Withdrawn(self.spec.id)
         except BaseException:
             self._leave(waiter)
             raise
@@ -354,11 +367,13 @@ class ModelScheduler:
                 deadline = deadline_after(timeout)
                 wait_until(
                     self._cond,
-                    lambda: self._manager_may_enter(waiter),
+                    lambda: self._manager_may_enter(waiter) or self.state == WITHDRAWN,
                     deadline,
                     None,
                     f"model {self.spec.id!r}",
                 )
+                if self.state == WITHDRAWN:
+                    raise Withdrawn(self.spec.id)
             except BaseException:
                 self._leave(waiter)
                 raise
@@ -428,6 +443,11 @@ class ModelScheduler:
         at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         with self._cond:
             self.last_load_error = {"message": message, "at": at}
+
+    def withdraw(self) -> None:
+        """A new model's registration failed (its manager holds it, nothing was published):
+        everyone queued for it leaves (`Withdrawn`), and nobody loads it."""
+        self.set_state(WITHDRAWN)
 
     def set_state(self, state: str) -> None:
         with self._cond:
