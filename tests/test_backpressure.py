@@ -35,6 +35,8 @@ from semif_serve.scoring.inputs import Batched
 # The timeout of a lease that finds its slot free (it never waits): it only bounds the test's
 # hang if the scheduler breaks. Longer than any estimate here, so never refused for it.
 HOLD_S = 30.0
+NOUL = {"type": "noul", "instructions": "Is it open?"}
+PREDICATE = {"type": "predicate", "instructions": "Is it open?"}
 
 
 class QueueWatch(threading.Condition):
@@ -511,19 +513,19 @@ def test_a_models_pace_does_not_count_its_wait_for_another_models_call(leaving):
 @pytest.mark.parametrize(
     ("body", "patience", "route"),
     [
-        ({}, None, (None, None)),
-        ({"timeout_s": 3}, None, (None, 3.0)),
-        ({}, 2.5, (None, 2.5)),
-        ({"timeout_s": 5, "model": "m"}, 2.0, ("m", 2.0)),  # the shorter of the two
-        ({"timeout_s": 1}, 2.0, (None, 1.0)),
-        ({"timeout_s": 86_400}, None, (None, 86_400.0)),
+        ({}, None, (None, None, 7.0)),
+        ({"timeout_s": 3}, None, (None, 3.0, 7.0)),
+        ({}, 2.5, (None, 2.5, 7.0)),
+        ({"timeout_s": 5, "model": "m"}, 2.0, ("m", 2.0, 7.0)),  # the shorter of the two
+        ({"timeout_s": 1}, 2.0, (None, 1.0, 7.0)),
+        ({"timeout_s": 86_400}, None, (None, 86_400.0, 7.0)),
     ],
 )
 def test_a_requests_deadline_is_the_shorter_of_its_timeout_and_its_clients_patience(
     body, patience, route
 ):
-    assert _routing(body, patience) == route
-    assert all(isinstance(value, float) for value in _routing(body, patience)[1:] if value)
+    assert _routing(body, patience, 7.0) == route  # 7.0: when the request arrived
+    assert all(isinstance(value, float) for value in _routing(body, patience, 7.0)[1:] if value)
 
 
 @pytest.mark.parametrize(
@@ -540,7 +542,7 @@ def test_a_requests_deadline_is_the_shorter_of_its_timeout_and_its_clients_patie
 )
 def test_a_bad_timeout_or_model_is_refused_whatever_the_patience(body):
     with pytest.raises(InvalidRequest) as refused:
-        _routing(body, 2.0)
+        _routing(body, 2.0, None)
     field = "model" if "model" in body else "timeout_s"
     expected = {
         "model": "model: must be a model id string",
@@ -732,3 +734,27 @@ def test_the_queue_figures_count_in_integers_and_time_in_seconds():
     assert all(type(value) is int for value in counts.values()), counts
     assert seconds.pop("estimated_wait_s") is None
     assert all(type(value) is float for value in seconds.values()), seconds
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/systemone", {"state": "s", "questions": {f"q{k}": NOUL for k in range(3)}}),
+        ("/v1/decisions", {"input": "s", "questions": [PREDICATE] * 3}),
+    ],
+)
+def test_a_request_of_several_calls_waits_within_one_deadline(path, body):
+    """Issue 40, defect 9: each call of a request over SEMIF_MAX_DECISIONS questions had a
+    deadline of its own, from when it queued: a 400-question request could wait ~7x its
+    timeout. Now every call's deadline is the one counted from the request's arrival."""
+    config = settings(max_decisions=1)
+    rt = Runtime(config, lambda spec: Engine(FakeScorer()), [spec("a")], "a")
+    deadlines = []
+    own = rt.deadline
+    rt.deadline = lambda *args: deadlines.append(own(*args)) or deadlines[-1]
+    app = create_app(DecisionService(rt, config), config)
+    client = testing.TestClient(app)
+    response = client.simulate_post(path, json={**body, "timeout_s": 5}, headers=AUTH)
+    assert response.status_code == 200, response.text
+    assert len(deadlines) == 3 and len({deadline.at for deadline in deadlines}) == 1
+    assert deadlines[0].timeout_s == 5

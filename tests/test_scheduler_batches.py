@@ -588,6 +588,37 @@ def test_a_caller_who_left_once_its_job_was_taken_is_dropped_with_its_own_messag
     assert rt.entry("a").status()["queue"]["abandoned_queued"] == 1
 
 
+def test_a_caller_who_leaves_while_its_batch_runs_is_answered_at_once():
+    """Issue 40, defect 9: a request taken into another's batch waited for the batch's end
+    however long it ran, its caller long gone (`done.wait()` without a bound); now its thread
+    is free as soon as its caller leaves, and the batch still counts it."""
+    inside, gate, left = threading.Event(), threading.Event(), threading.Event()
+
+    class Holding(BatchScorer):
+        def score_batch(self, items, left=None):
+            if any(item.id == "leaving" for item in items):
+                inside.set()
+                assert gate.wait(WAIT_S), "the test never let the batch end"
+            return super().score_batch(items, left)
+
+    scorer = Holding()
+    rt = batching_runtime(scorer)
+    first = busy(rt, scorer)
+    leader = Submitted(rt, "leader")
+    leaving = Submitted(rt, "leaving", gone=left.is_set)
+    jobs_queued(rt, 2)
+    scorer.release.set()
+    first.result()
+    assert inside.wait(WAIT_S)  # the leader's batch of both is in the engine
+    left.set()
+    assert leaving.done.wait(WAIT_S), "the request waited for a batch its caller had left"
+    assert isinstance(leaving.outcome, ClientGone) and not leader.done.is_set()
+    gate.set()
+    assert leader.result().outcome["id"] == "leader"
+    assert scorer.batches == [["first"], ["leader", "leaving"]]
+    assert rt.entry("a").status()["queue"]["abandoned_scoring"] == 1
+
+
 def test_a_job_that_cannot_be_encoded_again_fails_alone():
     scorer = BatchScorer()
     rt = batching_runtime(scorer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Mapping
 from functools import partial
 from types import ModuleType
@@ -59,6 +60,7 @@ class _Format:
         self._legacy_block = settings.legacy_extension_block
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        arrived = time.monotonic()  # the request's one deadline counts from here, in every call
         self._refuse_attachments(req)
         header_session = session_of(req)
         body = read_json_object(req.env, self._limit, unique_keys=True)
@@ -76,7 +78,13 @@ class _Format:
         def decide_shared(body: dict[str, Any]) -> dict[str, Any]:
             body = {**body, "model": model}
             return self._service.decide_shared(
-                body, gone, session, request.breakpoints, empty_state=True, patience_s=patience
+                body,
+                gone,
+                session,
+                request.breakpoints,
+                empty_state=True,
+                patience_s=patience,
+                arrived=arrived,
             ).body
 
         scored = answered(

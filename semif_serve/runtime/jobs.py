@@ -3,9 +3,10 @@
 
 A request that may be batched (SEMIF_MAX_BATCH_ROWS > 1, its input encoded before it queued)
 hands its scheduler a `Job`. Whichever request leads takes it into a batch (the scheduler
-decides who and which); from then on its request waits for `done`, and every way a batch can
-end finishes every job in it. Before the engine call each job is looked at once more: a job
-whose caller left is dropped (499), one encoded by an engine since replaced is encoded again.
+decides who and which); from then on its request waits for `done` (`awaited`: or until its
+caller leaves), and every way a batch can end finishes every job in it. Before the engine
+call each job is looked at once more: a job whose caller left is dropped (499), one encoded by
+an engine since replaced is encoded again.
 When models share one device, the batch waits for its turn there within its jobs' deadlines,
 dropping those that expire (503) or whose caller leaves (499) while it waits.
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 from semif_serve.errors import ClientGone, QueueTimedOut
 from semif_serve.runtime.selection import Cost
-from semif_serve.runtime.waiting import NEVER, Deadline, Gone, WaiterGone
+from semif_serve.runtime.waiting import GONE_POLL_S, NEVER, Deadline, Gone, WaiterGone
 
 STOPPED = "the batch stopped before this request"
 LEFT = "the client closed its connection before its request was scored"
@@ -57,6 +58,16 @@ class Job:
         elif expired and self.deadline.passed:
             self.finish(QueueTimedOut(f"waited {self.deadline.timeout_s:g} s before its batch ran"))
         return self.done.is_set()
+
+
+def awaited(job: Job) -> Any:
+    """A taken job's outcome, once its batch has finished it; a caller who leaves meanwhile is
+    not kept waiting for the batch (its thread is free within GONE_POLL_S): ClientGone at once,
+    while the batch drops the job or scores it for no one, and counts it either way."""
+    while not job.done.wait(GONE_POLL_S):
+        if job.gone is not None and job.gone():
+            return ClientGone(LEFT)
+    return job.outcome
 
 
 def run_jobs(

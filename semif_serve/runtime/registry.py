@@ -131,14 +131,16 @@ class Runtime(Reconfiguration, Residency):
         timeout_s: float | None = None,
         gone: Callable[[], bool] | None = None,
         tokens: int = 0,
+        arrived: float | None = None,
     ) -> Iterator[Any]:
         """The model's engine for one request, admitted in FIFO order, then given the device's
         turn when models share one, all within one deadline (every wait ends at it: 503; a
         deadline the estimated wait would pass is refused at once: 429); a request whose `gone`
         check says its caller left meanwhile, or by the time it holds both, leaves unscored
-        (499). `tokens`: the request's work when known (the model's pace counts it)."""
+        (499). `tokens`: the request's work when known (the model's pace counts it);
+        `arrived`: when the request arrived (`deadline`)."""
         entry = self.entry(model_id)
-        deadline = self.deadline(timeout_s)
+        deadline = self.deadline(timeout_s, arrived)
         with _queue_errors(entry, self._wait_for(entry)):
             engine = entry.lease(deadline, self._load_requested, gone, tokens)
         served = False
@@ -155,11 +157,13 @@ class Runtime(Reconfiguration, Residency):
         finally:
             entry.release(served)
 
-    def score_batched(self, model_id: str | None, timeout_s: float | None, job: Job) -> Any:
+    def score_batched(
+        self, model_id: str | None, timeout_s: float | None, job: Job, arrived: float | None = None
+    ) -> Any:
         """`job`'s outcome, scored with the model's other queued requests in one engine call
         (`ModelScheduler.serve`), within the request's deadline as `lease` is."""
         entry = self.entry(model_id)
-        job.deadline = self.deadline(timeout_s)
+        job.deadline = self.deadline(timeout_s, arrived)
         model = entry.spec.id
 
         def started(live: list[Job]) -> None:
@@ -201,9 +205,12 @@ class Runtime(Reconfiguration, Residency):
         finally:
             self._device.give()
 
-    def deadline(self, timeout_s: float | None) -> Deadline:
-        """A request's one deadline, from now: its `timeout_s`, or the queue timeout."""
-        return deadline_after(self.queue_timeout(timeout_s))
+    def deadline(self, timeout_s: float | None, arrived: float | None = None) -> Deadline:
+        """A request's one deadline: its `timeout_s`, or the queue timeout, from when it arrived
+        (`arrived`, `time.monotonic`; default now). Every call of a request of several (an
+        ecosystem request over SEMIF_MAX_DECISIONS questions) passes the same `arrived`, so
+        they all wait within one deadline, never a fresh one each."""
+        return deadline_after(self.queue_timeout(timeout_s), arrived)
 
     def queue_timeout(self, requested: float | None) -> float | None:
         """SEMIF_QUEUE_TIMEOUT_S (0: unbounded); a request may only lower it."""

@@ -38,7 +38,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from semif_serve.errors import ScoringFailed, same_failure
-from semif_serve.runtime.jobs import STOPPED, Job, RunBatch, Waiter
+from semif_serve.runtime.jobs import STOPPED, Job, RunBatch, Waiter, awaited
 from semif_serve.runtime.pace import Pace
 from semif_serve.runtime.selection import BatchLimits, gather_ends, select
 from semif_serve.runtime.specs import ModelSpec
@@ -175,8 +175,9 @@ class ModelScheduler:
     def serve(self, job: Job, load: Callable[[ModelScheduler], None], run: RunBatch) -> Any:
         """`job`'s outcome (its `Batched` result, or the exception its request raises), run in
         a batch: its own, when it enters first (`run` is then called with the engine and the
-        batch it chose), else the leader's that took it. `QueueTimeout` or `WaiterGone` when it
-        left the queue untaken."""
+        batch it chose), else the leader's that took it (ClientGone as soon as its caller
+        leaves: `jobs.awaited`). `QueueTimeout` or `WaiterGone` when it left the queue
+        untaken."""
         waiter = Waiter(job.deadline, job.gone, job, tokens=job.cost.tokens)
         with self._cond:
             self._admit(waiter)  # a leader gathering its batch sees it
@@ -184,9 +185,8 @@ class ModelScheduler:
             if leads:
                 job.taken = True
         if leads:
-            self._lead(job, load, run)
-        job.done.wait()  # taken: its leader runs it, and every batch finishes every job
-        return job.outcome
+            self._lead(job, load, run)  # it ran its own batch: the job is finished
+        return awaited(job)  # taken: its leader runs it, and every batch finishes every job
 
     def release(self, served: bool = False) -> None:
         """End a lease (or a batch leader's slot); `served`: its engine call ran to its end,

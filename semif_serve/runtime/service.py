@@ -38,6 +38,7 @@ DECIDE_KEYS = frozenset({*ROW_KEYS, *ROUTING_KEYS, "workload", "orderings"})
 SHARED_KEYS = frozenset({*ROUTING_KEYS, "state", "decisions", "workload"})
 DECISION_KEYS = frozenset({"id", "question", "options", "orderings"})
 MAX_TIMEOUT_S = 86_400  # a day: any longer wait is a caller's bug, never a plan
+Route = tuple[str | None, float | None, float | None]  # (model id, timeout_s, arrived)
 
 
 @dataclass(frozen=True)
@@ -104,15 +105,17 @@ class DecisionService:
         client_gone: ClientCheck | None = None,
         session: str | None = None,
         patience_s: float | None = None,
+        arrived: float | None = None,
     ) -> Outcome:
         """/decide. `session`: the caller's (`semif_serve.session`), whose stored state
         prefixes the call may reuse and add to; `patience_s`: the timeout its client announced
-        (it bounds the request's wait as `timeout_s` does)."""
+        (it bounds the request's wait as `timeout_s` does); `arrived`: when the request arrived
+        (`time.monotonic`; default now), from which its one deadline counts."""
         _check_keys(body, DECIDE_KEYS, "body")
         workload = self._workload(body)
         decision = _decision(body, "", session)
         _check_workload_without_orderings(workload, [decision])
-        route = _routing(body, patience_s)
+        route = _routing(body, patience_s, arrived)
         if decision.mode == "none":
             result, batch = self._scored(route, DIRECT, decision.rows[0], client_gone, [decision])
             return Outcome(
@@ -132,9 +135,11 @@ class DecisionService:
         breakpoints: tuple[int, ...] = (),
         empty_state: bool = False,
         patience_s: float | None = None,
+        arrived: float | None = None,
     ) -> Outcome:
-        """/decide/shared (and the ecosystem routes' calls); `session` and `patience_s` as for
-        `decide`;
+        """/decide/shared (and the ecosystem routes' calls: each of a request's calls passes
+        the request's `arrived`, so all wait within its one deadline); `session`,
+        `patience_s` and `arrived` as for `decide`;
         `breakpoints`: where the caller marked reusable ends of the state (`Row.breakpoints`);
         `empty_state`: an empty state is allowed (the ecosystem formats allow one)."""
         _check_keys(body, SHARED_KEYS, "body")
@@ -158,7 +163,7 @@ class DecisionService:
         _check_workload_without_orderings(workload, decisions)
         self._check_row_count(decisions)
         _check_unique_ids(decisions)
-        route = _routing(body, patience_s)
+        route = _routing(body, patience_s, arrived)
         rows = [row for decision in decisions for row in decision.rows]
         (results, timing), batch = self._scored(route, SHARED, rows, client_gone, decisions)
 
@@ -174,7 +179,7 @@ class DecisionService:
 
     def _scored(
         self,
-        route: tuple[str | None, float | None],
+        route: Route,
         call: _Call,
         rows: Any,
         client_gone: ClientCheck | None,
@@ -188,7 +193,7 @@ class DecisionService:
         model), run the engine call. A request that found its model unloaded (or replaced while
         it waited) is encoded once it holds it. A row the scorer refused (RowError) is a 422
         naming its decision; any other failure is the engine's 500/503."""
-        model_id, timeout_s = route
+        model_id, timeout_s, arrived = route
         early = self._runtime.entry(model_id).engine
         prepared = None if early is None else _refused_as_422(call.prepare, early, rows, decisions)
         if prepared is not None and self._settings.max_batch_rows > 1:
@@ -199,9 +204,10 @@ class DecisionService:
                 prepare=lambda engine: call.prepare(engine, rows),
                 gone=client_gone,
             )
-            return _unbatched(self._runtime.score_batched(model_id, timeout_s, job), decisions)
+            scored = self._runtime.score_batched(model_id, timeout_s, job, arrived)
+            return _unbatched(scored, decisions)
         tokens = 0 if prepared is None else cost_of(prepared).tokens
-        with self._runtime.lease(model_id, timeout_s, client_gone, tokens) as engine:
+        with self._runtime.lease(model_id, timeout_s, client_gone, tokens, arrived) as engine:
             if prepared is None or engine is not early:
                 prepared = _refused_as_422(call.prepare, engine, rows, decisions)
             return _refused_as_422(call.run, engine, prepared, decisions), None
@@ -299,9 +305,9 @@ def _check_unique_ids(decisions: list[_Decision]) -> None:
             owners[name] = decision.field.rstrip(".")
 
 
-def _routing(body: dict[str, Any], patience_s: float | None) -> tuple[str | None, float | None]:
-    """The optional `model` id and `timeout_s` (which may only lower the queue timeout), the
-    shorter of the body's and the client's announced `patience_s`."""
+def _routing(body: dict[str, Any], patience_s: float | None, arrived: float | None) -> Route:
+    """The optional `model` id, `timeout_s` (which may only lower the queue timeout: the
+    shorter of the body's and the client's announced `patience_s`) and `arrived`."""
     model_id = body.get("model")
     if model_id is not None and not isinstance(model_id, str):
         raise InvalidRequest("model: must be a model id string")
@@ -317,7 +323,7 @@ def _routing(body: dict[str, Any], patience_s: float | None) -> tuple[str | None
         timeout_s = float(timeout_s)
     if patience_s is not None:
         timeout_s = patience_s if timeout_s is None else min(timeout_s, patience_s)
-    return model_id, timeout_s
+    return model_id, timeout_s, arrived
 
 
 def _unbatched(outcome: Any, decisions: list[_Decision]) -> tuple[Any, dict[str, int] | None]:
