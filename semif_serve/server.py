@@ -40,6 +40,7 @@ from gunicorn.arbiter import Arbiter
 from semif_serve.config import ConfigError, Settings, check_alias_targets
 from semif_serve.engine import native_memory
 from semif_serve.errors import ModelLoadFailed, StartupError
+from semif_serve.runtime.admission import MANAGEMENT_IN_FLIGHT
 from semif_serve.runtime.management_state import (
     STATE_FILE,
     ManagementState,
@@ -56,7 +57,9 @@ from semif_serve.worker.worker import EXIT_CUT_OFF, GUNICORN_ERROR_CODES, Servin
 __all__ = ["EXIT_CUT_OFF", "GUNICORN_ERROR_CODES", "gunicorn_options", "run"]
 
 log = logging.getLogger(__name__)
-SPARE_THREADS = 4  # /health, 429 replies and management while every admitted request waits
+# /health, the GETs and the 429 replies, while every admitted scoring request and management
+# call holds a thread (each pool is refused past its limit, so these four stay free).
+SPARE_THREADS = 4
 WORKER_HEARTBEAT_TIMEOUT_S = 120
 # The worker cuts off what is left at SEMIF_GRACEFUL_TIMEOUT_S and reports it; the master's own
 # deadline (then SIGKILL, which would report nothing) comes this much later.
@@ -77,7 +80,7 @@ def gunicorn_options(settings: Settings, cut_off: Any = None) -> dict[str, Any]:
         "bind": settings.bind,
         "workers": 1,
         "worker_class": "semif_serve.worker.worker.SemifWorker",
-        "threads": settings.max_queue + SPARE_THREADS,
+        "threads": settings.max_queue + MANAGEMENT_IN_FLIGHT + SPARE_THREADS,
         "worker_connections": settings.max_connections,
         "timeout": WORKER_HEARTBEAT_TIMEOUT_S,
         "graceful_timeout": settings.graceful_timeout_s + MASTER_GRACE_MARGIN_S,

@@ -1,14 +1,18 @@
 """Model routing and management over HTTP: the model field, queue timeouts, admin-only calls."""
 
+import threading
+
 import pytest
 from fakes import AUTH, FakeScorer, row, settings
 from falcon import testing
-from runtime_fixtures import Background, Factory, Held, spec
+from runtime_fixtures import Background, Factory, Held, spec, wait_until
 
 from semif_serve.engine.boot import check_source as check
 from semif_serve.http import create_app
+from semif_serve.runtime.admission import MANAGEMENT_IN_FLIGHT
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService
+from semif_serve.server import SPARE_THREADS, gunicorn_options
 
 ADMIN = "a" * 40
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -155,6 +159,37 @@ def test_management_calls_do_not_count_toward_max_queue():
     assert api.simulate_post("/v1/models/a/unload", headers=ADMIN_AUTH).status_code == 200
     scorer.release.set()
     assert scoring.result().status_code == 200
+
+
+def test_management_calls_have_a_pool_of_their_own_and_health_always_has_a_thread():
+    """Issue 40, defect 8: management calls were not admitted, so slow PUTs (each holding its
+    thread for a whole load) could take every spare thread, /health's included. Now at most
+    MANAGEMENT_IN_FLIGHT run at once, the next is 429 busy at once, and the worker has threads
+    for all of them on top of SEMIF_MAX_QUEUE's and the spare ones."""
+    api, rt, factory = client()
+    factory.load_gate, factory.load_started = threading.Event(), threading.Event()
+    slow = [
+        Background(lambda model=model: put(api, model, {"source": f"test:{model}"}))
+        for model in ("c", "d")
+    ]
+    wait_until(
+        lambda: factory.events.count(("load", "c")) + factory.events.count(("load", "d")) == 2
+    )
+    refused = put(api, "e", {"source": "test:e"})
+    assert code(refused) == (429, "busy")
+    assert refused.json["error"]["message"] == (
+        "2 management calls are already in progress; retry later"
+    )
+    unload = api.simulate_post("/v1/models/unload", json={"ids": ["b"]}, headers=ADMIN_AUTH)
+    assert code(unload) == (429, "busy")
+    assert api.simulate_get("/health").status_code == 200
+    assert api.simulate_get("/v1/models", headers=AUTH).status_code == 200  # GETs: no pool
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
+    factory.load_gate.set()
+    assert [call.result().status_code for call in slow] == [200, 200]
+    assert put(api, "e", {"source": "test:e"}).status_code == 200  # the pool is free again
+    options = gunicorn_options(settings(max_queue=32))
+    assert options["threads"] == 32 + MANAGEMENT_IN_FLIGHT + SPARE_THREADS
 
 
 def test_health_reports_the_loaded_default_model_by_id_without_its_source():

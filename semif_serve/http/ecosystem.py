@@ -46,7 +46,7 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9_.$@-]{1,64}")
 
 
 class _Format:
-    admitted = True  # counts toward SEMIF_MAX_QUEUE (see middleware.Admission)
+    admission = "scoring"  # counts toward SEMIF_MAX_QUEUE (see middleware.Admission)
     translator: ModuleType
     state_field: str  # how messages name the request field the state comes from
 

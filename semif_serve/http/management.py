@@ -22,6 +22,10 @@ def require_admin(req: falcon.Request) -> None:
 
 
 class _Management:
+    # Its POSTs and PUTs count toward MANAGEMENT_IN_FLIGHT (see middleware.Admission): a PUT
+    # holds its thread for a whole load, and never one that /health needs.
+    admission = "management"
+
     def __init__(self, runtime: Runtime, max_body_bytes: int):
         self._runtime = runtime
         self._max_body_bytes = max_body_bytes

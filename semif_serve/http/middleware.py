@@ -15,7 +15,7 @@ import falcon
 
 from semif_serve.errors import Unauthorized
 from semif_serve.http.metrics import Metrics
-from semif_serve.runtime.admission import InFlightLimit
+from semif_serve.runtime.admission import MANAGEMENT_IN_FLIGHT, InFlightLimit
 from semif_serve.state_key import STATE_KEY_HEADER
 
 access_log = logging.getLogger("semif_serve.access")
@@ -141,16 +141,23 @@ class BearerAuth:
 
 
 class Admission:
-    """Counts POSTs in progress; past the limit the next is refused before its body is read."""
+    """Counts the POSTs and PUTs in progress in their resource's pool (its `admission`:
+    "scoring" or "management"); past a pool's limit the next is refused before its body is
+    read."""
 
     def __init__(self, limit: InFlightLimit):
         self.limit = limit
+        management = InFlightLimit(MANAGEMENT_IN_FLIGHT, what="management calls")
+        self.pools = {"scoring": limit, "management": management}
 
     def process_resource(self, req, resp, resource, params) -> None:
-        if req.method == "POST" and getattr(resource, "admitted", False):
-            self.limit.acquire()
-            req.context.admitted = True
+        pool = self.pools.get(getattr(resource, "admission", None))
+        if req.method in ("POST", "PUT") and pool is not None:
+            pool.acquire()
+            req.context.admitted = pool
 
     def process_response(self, req, resp, resource, req_succeeded) -> None:
-        if req.context.pop("admitted", False):  # taken once: a request releases once
-            self.limit.release()
+        pool = req.context.pop("admitted", None)
+        if pool is not None:  # taken once: a request releases once
+            pool.release()
+

@@ -104,7 +104,7 @@ class Health:
 
 
 class _Scoring:
-    admitted = True  # counts toward SEMIF_MAX_QUEUE (see middleware.Admission)
+    admission = "scoring"  # counts toward SEMIF_MAX_QUEUE (see middleware.Admission)
 
     def __init__(self, service: DecisionService, max_body_bytes: int):
         self._service = service
