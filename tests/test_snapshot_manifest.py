@@ -80,8 +80,7 @@ def written(folder):
 # --- the manifest itself ----------------------------------------------------------------------
 
 
-def test_the_manifest_lists_every_file_but_itself_and_hidden_ones(tmp_path):
-    (tmp_path / ".lock").write_text("")
+def test_the_manifest_lists_every_file_but_itself(tmp_path):
     manifest = written(tmp_path)
     assert listed_files(tmp_path) == ["config.json", "model.safetensors"]
     assert manifest == {
@@ -100,10 +99,33 @@ def test_the_manifest_lists_every_file_but_itself_and_hidden_ones(tmp_path):
     assert not list(tmp_path.glob(f".{MARKER}*"))  # written aside, then renamed
 
 
+def test_hidden_files_and_files_in_subfolders_are_covered_too(tmp_path):
+    """Issue 40: only the top-level, non-hidden files were covered, so a file added or changed
+    in a subfolder, or a hidden one, went unnoticed."""
+    (tmp_path / ".hidden").write_bytes(b"h")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "vocab.json").write_bytes(b"{}")
+    (tmp_path / "loop").symlink_to(tmp_path)  # a folder linked from inside is not walked
+    manifest = written(tmp_path)
+    assert list(manifest["files"]) == [
+        ".hidden",
+        "config.json",
+        "model.safetensors",
+        "tokenizer/vocab.json",
+    ]
+    assert problems(tmp_path, manifest) == []
+    (tmp_path / "tokenizer" / "vocab.json").write_bytes(b"[]")
+    (tmp_path / "tokenizer" / ".added").write_bytes(b"")
+    found = problems(tmp_path, manifest)
+    assert found[0] == "tokenizer/.added is not in the manifest"
+    assert found[1].startswith("tokenizer/vocab.json has sha256") and len(found) == 2
+
+
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [
         (lambda f: zero_block(f / "model.safetensors", 64 * 1024), "model.safetensors has sha256"),
+        (lambda f: (f / ".extra").write_bytes(b"x"), ".extra is not in the manifest"),
         (lambda f: flip_byte(f / "model.safetensors", 0), "model.safetensors has sha256"),
         (lambda f: flip_byte(f / "model.safetensors", len(WEIGHTS) - 1), "model.safetensors has"),
         (lambda f: flip_byte(f / "config.json", 3), "config.json has sha256"),

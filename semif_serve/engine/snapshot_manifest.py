@@ -47,12 +47,19 @@ def file_sha256(path: Path) -> str:
 
 
 def listed_files(folder: Path) -> list[str]:
-    """The files a manifest covers: every plain file in `folder` but the marker and hidden ones."""
-    return sorted(
-        entry.name
-        for entry in folder.iterdir()
-        if entry.is_file() and entry.name != MARKER and not entry.name.startswith(".")
-    )
+    """The files a manifest covers: every file under `folder`, at any depth, hidden ones
+    included ('/'-separated paths relative to it), but the marker and its copy being written:
+    whatever a loader may read is checked, and a file added anywhere is a difference. Folders
+    linked from inside are not walked (a link loop never ends the walk)."""
+    own = {MARKER, f".{MARKER}.writing"}
+    names = []
+    for parent, _, files in os.walk(folder):
+        for file in files:
+            path = Path(parent, file)
+            name = path.relative_to(folder).as_posix()
+            if path.is_file() and name not in own:
+                names.append(name)
+    return sorted(names)
 
 
 def build(folder: Path, **about: str) -> dict[str, Any]:
