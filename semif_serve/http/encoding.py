@@ -4,8 +4,10 @@ The TypeSafe SDK sends bodies of 1 KiB or more as `Content-Encoding: zstd` whene
 available to it, and gzip is what proxies and curl send. SEMIF_MAX_BODY_BYTES counts the DECODED
 bytes: the decoder is asked for at most the limit + 1 bytes of output in total, so a small frame
 that would inflate to a gigabyte costs the limit + one step of work, then a 413. Several frames
-(zstd) or members (gzip) one after another are one body, as their formats define. An encoding
-the server does not decode is a 415 naming it; a damaged or cut-off stream is a 400.
+(zstd) or members (gzip) one after another are one body, as their formats define, up to
+MAX_FRAMES (more is a 400); each is decoded from where the last one ended, its input handed over
+in INPUT_STEP pieces, so the work is linear in the body's bytes whatever its framing. An
+encoding the server does not decode is a 415 naming it; a damaged or cut-off stream is a 400.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ else:
 
 ENCODINGS = ("gzip", "zstd")  # besides identity
 GZIP_WBITS = 16 + zlib.MAX_WBITS  # a gzip header and trailer, never raw deflate or zlib
+# Frames (gzip members) in one body at most: the SDKs and curl send one; each costs a decoder.
+MAX_FRAMES = 64
+INPUT_STEP = 1 << 16  # bytes of input handed to a decoder at a time
 
 
 def coding(header: str | None) -> str | None:
@@ -39,14 +44,22 @@ def coding(header: str | None) -> str | None:
 
 def decoded(data: bytes, name: str | None, limit: int) -> bytes:
     """`data` decoded from coding `name` (None: as it is); RequestTooLarge past `limit` decoded
-    bytes, BadRequest when the stream is damaged or ends inside a frame."""
+    bytes, BadRequest when the stream is damaged, ends inside a frame or holds more than
+    MAX_FRAMES frames (members)."""
     if name is None:
         return data
     decode_frame = _zstd_frame if name == "zstd" else _gzip_frame
     out = bytearray()
-    rest = data
-    while rest:  # one frame (member) at a time: each returns the input after it
-        rest = decode_frame(rest, _Output(out, limit, name))
+    output = _Output(out, limit, name)
+    view = memoryview(data)
+    offset = frames = 0
+    while offset < len(view):  # one frame (member) at a time, from where the last one ended
+        frames += 1
+        if frames > MAX_FRAMES:
+            raise BadRequest(
+                f"body: more than {MAX_FRAMES} {name} frames (members) in one body; send it as one"
+            )
+        offset += decode_frame(view[offset:], output)
     return bytes(out)
 
 
@@ -75,34 +88,45 @@ class _Output:
         return BadRequest(f"body: not valid {self.name} data ({error})")
 
 
-def _zstd_frame(data: bytes, output: _Output) -> bytes:
+def _zstd_frame(data: memoryview, output: _Output) -> int:
+    """Decode the frame `data` starts with into `output`; how many bytes of `data` it took.
+    The input goes in INPUT_STEP pieces, so what the decoder copies after the frame's end
+    (`unused_data`) is at most one piece, however much of the body follows."""
     decoder = zstd.ZstdDecompressor()
+    fed = 0
+    piece: bytes | memoryview = b""
     try:
-        chunk = decoder.decompress(data, max_length=output.room)
-        while True:
+        # Each pass reads input or writes output, so this many passes always reach the end.
+        for _ in range(len(data) + output.room + 1):
+            if decoder.needs_input:
+                if fed == len(data):
+                    break
+                piece, fed = data[fed : fed + INPUT_STEP], min(len(data), fed + INPUT_STEP)
+            chunk = decoder.decompress(piece, max_length=output.room)
+            piece = b""
             output.keep(chunk)
             if decoder.eof:
-                return decoder.unused_data
-            if decoder.needs_input:  # all of the input read, and the frame not ended
-                raise output.truncated()
-            chunk = decoder.decompress(b"", max_length=output.room)
+                return fed - len(decoder.unused_data)
     except zstd.ZstdError as error:
         raise output.damaged(error) from None
+    raise output.truncated()
 
 
-def _gzip_frame(data: bytes, output: _Output) -> bytes:
+def _gzip_frame(data: memoryview, output: _Output) -> int:
+    """`_zstd_frame` for one gzip member (the input in INPUT_STEP pieces as well)."""
     decoder = zlib.decompressobj(wbits=GZIP_WBITS)
+    piece, fed = data[:INPUT_STEP], min(len(data), INPUT_STEP)
     try:
-        chunk = decoder.decompress(data, output.room)
-        # Each pass reads input or writes output, so this many passes always reach the end.
-        for _ in range(len(data) + output.room):
+        for _ in range(len(data) + output.room + 1):
+            chunk = decoder.decompress(piece, output.room)
             output.keep(chunk)
             if decoder.eof:
-                return decoder.unused_data
-            tail = decoder.unconsumed_tail
-            chunk = decoder.decompress(tail, output.room)
-            if not chunk and not tail and not decoder.eof:
-                break
+                return fed - len(decoder.unused_data)
+            piece = decoder.unconsumed_tail
+            if not piece and not chunk:  # everything given was read, nothing more came out
+                if fed == len(data):
+                    break
+                piece, fed = data[fed : fed + INPUT_STEP], min(len(data), fed + INPUT_STEP)
     except zlib.error as error:
         raise output.damaged(error) from None
     raise output.truncated()
