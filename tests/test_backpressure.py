@@ -545,7 +545,7 @@ def test_a_bad_timeout_or_model_is_refused_whatever_the_patience(body):
         _routing(body, 2.0, None)
     field = "model" if "model" in body else "timeout_s"
     expected = {
-        "model": "model: must be a model id string",
+        "model": "model: must be a model name string",
         "timeout_s": "timeout_s: must be a number of seconds, 0 < timeout_s <= 86400",
     }
     assert str(refused.value) == expected[field]

@@ -456,9 +456,11 @@ def test_read_back_by_tournament_scores_the_group_winners_in_a_final():
     ("path", "body"), [("/v1/systemone", s1(NOUL)), ("/v1/decisions", od(PREDICATE))]
 )
 def test_an_empty_model_name_names_no_model(path, body):
-    response, scorer = post(path, {**body, "model": ""})
-    assert response.status_code == 404
-    assert response.json["error"]["message"].startswith("model '' is neither a registered model")
+    # A 422 naming `model` since issue 43 (a 404 before; the default model before that).
+    response, scorer = post(path, {**body, "model": " "})
+    assert response.status_code == 422
+    assert response.json["error"]["message"].startswith("model: must name a model")
+    assert response.json["error"]["param"] == "model"
     assert scorer.calls == []
 
 

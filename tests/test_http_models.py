@@ -1,9 +1,10 @@
 """Model routing and management over HTTP: the model field, queue timeouts, admin-only calls."""
 
 import threading
+from urllib.parse import quote
 
 import pytest
-from fakes import AUTH, FakeScorer, row, settings
+from fakes import AUTH, FakeScorer, decision, row, settings
 from falcon import testing
 from runtime_fixtures import Background, Factory, Held, spec, wait_until
 
@@ -56,6 +57,50 @@ def test_an_unknown_model_is_404_model_not_found():
         404,
         "model_not_found",
     )
+
+
+BLANK_NAMES = ["", " ", "\t", "\u00a0\n"]
+SCORING = {
+    "/decide": lambda name: row(model=name),
+    "/decide/shared": lambda name: {"state": "s", "decisions": [decision("d")], "model": name},
+    "/v1/systemone": lambda name: {
+        "model": name,
+        "state": "s",
+        "questions": {"q": {"type": "noul", "instructions": "Open?"}},
+    },
+    "/v1/decisions": lambda name: {
+        "model": name,
+        "input": "s",
+        "questions": [{"type": "predicate", "instructions": "Open?"}],
+    },
+}
+
+
+@pytest.mark.parametrize("name", BLANK_NAMES)
+@pytest.mark.parametrize("path", list(SCORING))
+def test_a_blank_model_name_is_a_422_on_every_scoring_route_never_the_default(path, name):
+    """Issue 43, finding 2: "model": "" was answered by the default model."""
+    api, _, factory = client()
+    response = api.simulate_post(path, json=SCORING[path](name), headers=AUTH)
+    assert code(response) == (422, "invalid_request")
+    assert response.json["error"]["message"] == (
+        "model: must name a model (a nonempty name; leave it out, or null, for the default)"
+    )
+    assert factory.engines["a"].scorer.calls == []
+
+
+@pytest.mark.parametrize("name", BLANK_NAMES)
+def test_a_blank_model_id_on_a_management_route_names_no_model(name):
+    """POST /v1/models//unload (an empty path segment) unloaded the default model."""
+    api, rt, _ = client()
+    segment = quote(name, safe="")
+    unload = api.simulate_post(f"/v1/models/{segment}/unload", headers=ADMIN_AUTH)
+    assert code(unload) == (404, "model_not_found")
+    assert code(put(api, segment, {"source": "test:c"}))[0] in (400, 404, 405)
+    bulk = api.simulate_post("/v1/models/unload", json={"ids": [name]}, headers=ADMIN_AUTH)
+    assert bulk.json == {"unloaded": [], "not_found": [name]}
+    assert rt.entry("a").status()["state"] == "ready"  # the default model still serves
+    assert [status["id"] for status in rt.status()] == ["a", "b"]
 
 
 @pytest.mark.parametrize("value", [0, -1, "5", True])

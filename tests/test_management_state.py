@@ -96,6 +96,22 @@ def state_text(models, format=1, configuration=KEY, **more) -> str:
     return json.dumps({"format": format, "configuration": configuration, "models": models, **more})
 
 
+def test_an_entry_whose_id_is_not_a_model_id_is_refused_alone_and_logged(caplog):
+    """Issue 43, finding 2: an unload of id "" (an empty path segment) was recorded, and a
+    respawned worker replayed it onto the default model."""
+    entries = [
+        {"id": "", "table": None, "loaded": False},
+        {"id": " ", "table": None, "loaded": False},
+        ENTRY,
+    ]
+    with caplog.at_level("ERROR"):
+        assert parse_state(state_text(entries), KEY) == {"a": {"table": None, "loaded": False}}
+    assert [record.getMessage() for record in caplog.records] == [
+        "management state: models[0]: '' is not a model id: ignored",
+        "management state: models[1]: ' ' is not a model id: ignored",
+    ]
+
+
 ENTRY = {"id": "a", "table": None, "loaded": False}
 
 

@@ -39,6 +39,7 @@ from semif_serve.apis.mapping import (
     yes_no,
 )
 from semif_serve.errors import InvalidRequest
+from semif_serve.runtime.specs import requested_model
 from semif_serve.session import parse_session
 from semif_serve.state_key import state_json
 
@@ -100,9 +101,7 @@ class Request:
 def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Request:
     """The request as questions over one state, each of at most `max_options` choices or
     levels; InvalidRequest naming the field otherwise."""
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("model: must be a model name string")
+    model = requested_model(body.get("model"))
     if body.get("safety_identifier") is not None and not isinstance(body["safety_identifier"], str):
         raise InvalidRequest("safety_identifier: must be a string")
     session = parse_session(body.get("prompt_cache_key"), "prompt_cache_key", header=False)

@@ -38,6 +38,7 @@ from semif_serve.apis.mapping import (
     yes_no,
 )
 from semif_serve.errors import InvalidRequest
+from semif_serve.runtime.specs import requested_model
 
 REQUEST_KEYS = frozenset({"model", "state", "questions", "assets", "timeout_s"})
 QUESTION_KEYS = {
@@ -76,9 +77,7 @@ def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Reque
         raise refuse_image("assets")
     if "state" not in body:
         raise InvalidRequest("state: missing")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("model: must be a model name string")
+    model = requested_model(body.get("model"))
     questions = body.get("questions")
     if not isinstance(questions, dict):
         raise InvalidRequest("questions: must be an object {name: question}")

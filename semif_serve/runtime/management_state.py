@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from semif_serve.config import ConfigError
+from semif_serve.runtime.specs import MODEL_ID
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,11 @@ def parse_state(text: str, configuration: str) -> Models:
         )
         if not valid:
             raise StateError(f"models[{index}]: must be {{id, table (object or null), loaded}}")
+        if not MODEL_ID.fullmatch(entry["id"]):  # e.g. "": never registered, so never replayed
+            log.error(
+                "management state: models[%d]: %r is not a model id: ignored", index, entry["id"]
+            )
+            continue
         if entry["id"] in models:
             raise StateError(f"models[{index}]: {entry['id']!r} appears twice")
         models[entry["id"]] = {"table": entry["table"], "loaded": entry["loaded"]}

@@ -220,8 +220,10 @@ class Runtime(Reconfiguration, Residency):
         return requested if configured is None else min(requested, configured)
 
     def entry(self, model_id: str | None) -> ModelScheduler:
+        """The model `model_id` names as it is (None: the default model; an empty id names
+        none, on a management path as anywhere)."""
         with self._lock:
-            entry = self._entries.get(model_id or self.default_id)
+            entry = self._entries.get(self.default_id if model_id is None else model_id)
         if entry is None:
             raise ModelNotFound(f"model {model_id!r} is not registered")
         return entry

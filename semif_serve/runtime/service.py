@@ -28,6 +28,7 @@ from semif_serve.errors import InvalidRequest, ScoringFailed, same_failure
 from semif_serve.runtime.jobs import Job
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.selection import cost_of
+from semif_serve.runtime.specs import requested_model
 from semif_serve.scoring.inputs import Batched
 from semif_serve.scoring.rows import InvalidRow, Row, RowError, parse_row
 
@@ -308,9 +309,7 @@ def _check_unique_ids(decisions: list[_Decision]) -> None:
 def _routing(body: dict[str, Any], patience_s: float | None, arrived: float | None) -> Route:
     """The optional `model` id, `timeout_s` (which may only lower the queue timeout: the
     shorter of the body's and the client's announced `patience_s`) and `arrived`."""
-    model_id = body.get("model")
-    if model_id is not None and not isinstance(model_id, str):
-        raise InvalidRequest("model: must be a model id string")
+    model_id = requested_model(body.get("model"))
     timeout_s = body.get("timeout_s")
     if timeout_s is not None:
         valid = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from semif_serve.config import DEVICE_PATTERN, DTYPES, MAX_TOKENS_LIMIT, ConfigError
+from semif_serve.errors import InvalidRequest
 
 MAX_SLOTS = 16
 # Bounds that keep absurd values out of the arithmetic downstream (a 400-digit max_tokens would
@@ -77,6 +78,21 @@ def default_spec(settings: Any) -> ModelSpec:
         slots=settings.parallel_slots or 1,
         load_on_startup=True,
     )
+
+
+def requested_model(value: Any) -> str | None:
+    """A scoring request's `model` field, the one check every route makes: None (absent or
+    null) is the default model; a name must be a nonempty string, never blank (a 422 naming
+    `model`: an empty name is not the default model)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest("model: must be a model name string")
+    if not value.strip():
+        raise InvalidRequest(
+            "model: must name a model (a nonempty name; leave it out, or null, for the default)"
+        )
+    return value
 
 
 def parse_spec(
