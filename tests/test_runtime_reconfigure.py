@@ -331,6 +331,24 @@ def test_a_request_queued_for_a_new_model_whose_load_fails_is_told_it_is_not_reg
     assert factory.events.count(("load", "b")) == 1  # the request never loaded it
 
 
+def test_a_request_that_finds_a_new_model_listed_queues_behind_its_registration():
+    """A new model is listed with its PUT's manager already first in its queue: a request that
+    finds it listed never enters before the PUT (nor loads it lazily meanwhile)."""
+    rt = runtime(spec("a"))
+    register = rt._managed
+    early = []
+
+    def racing(entry, operation, waiter=None):  # the PUT has just listed the new model
+        early.append(Held(rt, "c"))
+        wait_until(lambda: entry.status()["queued_requests"] == 1 or early[0].admitted.is_set())
+        assert not early[0].admitted.is_set(), "a request entered before the PUT's manager"
+        return register(entry, operation, waiter)
+
+    rt._managed = racing
+    assert rt.register("c", {"source": "test:c", "device": "cpu"})["state"] == "ready"
+    assert early[0].finish().error is None
+
+
 def test_managers_queued_behind_a_failed_new_registration():
     # A second PUT registers the model anew; an unload is told it is not registered; a bulk
     # unload lists it as not found.
@@ -346,8 +364,9 @@ def test_managers_queued_behind_a_failed_new_registration():
     factory.load_gate.set()
     with pytest.raises(ModelLoadFailed, match="broken"):
         register.result()
-    with pytest.raises(ModelNotFound, match="its registration failed"):
+    with pytest.raises(ModelNotFound) as refused:
         unload.result()
+    assert str(refused.value) == "model 'b' is not registered (its registration failed)"
     assert bulk.result() == {"unloaded": [], "not_found": ["b"]}
     assert again.result()["state"] == "ready"
     assert rt.entry("b") is not entry and rt.entry("b").status()["state"] == "ready"

@@ -96,7 +96,7 @@ class Runtime(Reconfiguration, Residency):
         (checked every `idle_interval_s`; None: no retirement thread, for tests)."""
         for entry in list(self._entries.values()):
             if entry.spec.load_on_startup:
-                entry.manage(self._load_alone, timeout=None)
+                entry.manage(self._load_alone)
         if idle_interval_s is None:
             return
         self._idle_thread = threading.Thread(
@@ -119,7 +119,7 @@ class Runtime(Reconfiguration, Residency):
             self._idle_thread.join()
         entries = self._snapshot()
         for entry in entries:
-            entry.manage(self._unload_alone, timeout=None)
+            entry.manage(self._unload_alone)
         log.info("runtime closed: %d models unloaded", len(entries))
 
     # -- requests -------------------------------------------------------------------------------

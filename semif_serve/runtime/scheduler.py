@@ -347,9 +347,10 @@ class ModelScheduler:
 
     # -- management ----------------------------------------------------------------------------
 
-    def manage(self, operation: Callable[[ModelScheduler], Any], timeout: float | None) -> Any:
-        """Run `operation` alone, after every earlier request and manager, before later ones."""
-        return self.run_managed(self.enqueue_manager(), operation, timeout)
+    def manage(self, operation: Callable[[ModelScheduler], Any]) -> Any:
+        """Run `operation` alone, after every earlier request and manager, before later ones,
+        however long they take (startup loads, shutdown unloads)."""
+        return self.run_managed(self.enqueue_manager(), operation, timeout=None)
 
     def enqueue_manager(self) -> Waiter:
         """Publish a manager's barrier: from now on, later requests queue behind it."""
