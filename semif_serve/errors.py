@@ -98,7 +98,14 @@ class InsufficientMemory(ServeError):
 
 
 class ModelLoadFailed(ServeError):
-    """A model could not be loaded (bad weights, a failed warm-up); it serves nothing → 503."""
+    """A model could not be loaded (bad weights, a failed warm-up); it serves nothing → 503.
+    `public`: what a scoring request is told (the model and the kind of failure, never a server
+    path); the message itself (the log, the management call that loaded it, `last_load_error`)
+    says all."""
+
+    def __init__(self, message: str, public: str | None = None):
+        super().__init__(message)
+        self.public = public
 
 
 class ClientGone(ServeError):
@@ -108,6 +115,13 @@ class ClientGone(ServeError):
 
 # A batched request whose caller left while its batch ran, before its own forward did: never run.
 LEFT_BEFORE_FORWARD = "the client closed its connection before its forward ran"
+
+
+def told_to_callers(error: BaseException) -> BaseException:
+    """`same_failure(error)` as a scoring request is told it: a load failure's `public`
+    message when it has one."""
+    public = getattr(error, "public", None)
+    return type(error)(public) if public else same_failure(error)
 
 
 def same_failure(error: BaseException) -> BaseException:

@@ -292,6 +292,33 @@ def test_a_model_that_cannot_load_answers_each_request_503_model_load_failed():
     assert factory.events == [("load", "a"), ("load", "b"), ("load", "b")]  # each one retried
 
 
+def test_health_is_503_while_the_default_model_cannot_load_and_no_caller_sees_a_path():
+    """Issue 43, finding 4: with the default model's folder gone every request got 503 while
+    /health said 200 "ok", and the 503 showed the server's folder path to any token holder."""
+    api, rt, factory = client()
+    assert api.simulate_post("/v1/models/a/unload", headers=ADMIN_AUTH).status_code == 200
+    assert api.simulate_get("/health").status_code == 200  # unloaded: it loads on demand
+    factory.failing["test:a"] = OSError("/srv/models/a/config.json: no such file")
+    response = api.simulate_post("/decide", json=row(), headers=AUTH)
+    assert code(response) == (503, "model_load_failed")
+    assert response.json["error"]["message"] == (
+        "loading model 'a' failed (OSError); its last_load_error in GET /v1/models and the "
+        "server's log say why"
+    )
+    health = api.simulate_get("/health")
+    assert health.status_code == 503 and api.simulate_head("/health").status_code == 503
+    assert (health.json["status"], health.json["reason"]) == ("unavailable", "model_load_failed")
+    assert "/srv" not in health.text
+    [listed] = [
+        m for m in api.simulate_get("/v1/models", headers=AUTH).json["models"] if m["id"] == "a"
+    ]
+    assert "/srv/models/a/config.json" in listed["last_load_error"]["message"]
+    del factory.failing["test:a"]
+    assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
+    assert api.simulate_get("/health").json["status"] == "ok"
+    assert "reason" not in api.simulate_get("/health").json
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [

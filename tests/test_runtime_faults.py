@@ -319,7 +319,7 @@ def test_a_failed_lazy_load_keeps_no_reference_to_the_model_it_built():
     factory = FailingBuild()
     rt = runtime(spec("a"), factory=factory)
     failed = Held(rt, "a").finish().error
-    assert "warm-up failed" in str(failed)
+    assert "loading model 'a' failed (RuntimeError)" in str(failed)
     failed = None  # the test's own reference to what it was handed
     gc.collect()
     assert factory.built() is None

@@ -309,7 +309,7 @@ def test_a_leader_that_fails_before_it_runs_leaves_no_job_behind():
     scorer.release.set()
     assert first.outcome()["id"] == "first"
     unload.result()
-    with pytest.raises(ModelLoadFailed, match="no memory for it"):
+    with pytest.raises(ModelLoadFailed, match=r"loading model 'a' failed \(RuntimeError\)"):
         doomed.outcome()
     assert not rt.entry("a")._queue and rt.entry("a")._active == 0
     later = Request(rt, "later")

@@ -50,6 +50,7 @@ def test_while_building_health_is_a_503_naming_the_loading_state_and_posts_are_b
     assert status == "503 Service Unavailable"
     assert json.loads(body) == {
         "status": "loading",
+        "reason": "starting",
         "semif_commit": "abc123",
         "model": {"id": "default", "state": "loading"},
     }

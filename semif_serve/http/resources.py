@@ -70,6 +70,7 @@ def non_finite_message(places: list[str]) -> str:
 
 PUBLIC_HEALTH_KEYS = (
     "status",
+    "reason",  # only when unavailable
     "semif_commit",
     "model",
     "vram_cap_gib",
@@ -87,18 +88,24 @@ def public_health(health: dict[str, Any], model_id: str) -> dict[str, Any]:
     what goes in; GET /v1/models, which needs a token, shows each model's source."""
     model = health["model"]
     shown = {"id": model_id, **{key: model[key] for key in PUBLIC_MODEL_KEYS if key in model}}
-    return {key: shown if key == "model" else health[key] for key in PUBLIC_HEALTH_KEYS}
+    return {
+        key: shown if key == "model" else health[key] for key in PUBLIC_HEALTH_KEYS if key in health
+    }
 
 
 class Health:
-    """GET and HEAD /health, no token; load balancers probe with either (`public_health`)."""
+    """GET and HEAD /health, no token; load balancers probe with either (`public_health`): 200
+    while the default model serves or can load on demand, 503 while it cannot (`reason`)."""
 
     def __init__(self, service: DecisionService):
         self._service = service
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         service = self._service
-        send_json(resp, public_health(service.health(), service.runtime.default_id))
+        health = public_health(service.health(), service.runtime.default_id)
+        if health["status"] != "ok":
+            resp.status = falcon.HTTP_503
+        send_json(resp, health)
 
     on_head = on_get  # Falcon answers a HEAD with the GET's status and headers, no body
 

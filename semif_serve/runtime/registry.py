@@ -229,10 +229,15 @@ class Runtime(Reconfiguration, Residency):
         return entry
 
     def default_model_info(self) -> dict[str, Any]:
-        """The default model as loaded (its engine's own account), else as configured: one
-        reading of both (`/health` reads this while a retire may run)."""
-        engine, spec = self.entry(None).serving()
-        return engine.model_info() if engine is not None else spec.identity()
+        """The default model as loaded (its engine's own account), else as configured."""
+        return self.default_model_state()[0]
+
+    def default_model_state(self) -> tuple[dict[str, Any], bool]:
+        """(`default_model_info`; whether the default model is unloaded because its last load
+        failed, until a load succeeds), from one reading (`/health` reads this while a retire
+        or a load may run)."""
+        engine, spec, failed = self.entry(None).serving()
+        return (engine.model_info() if engine is not None else spec.identity()), failed
 
     # -- management -----------------------------------------------------------------------------
 
@@ -430,7 +435,11 @@ class Runtime(Reconfiguration, Residency):
             if isinstance(error, (InsufficientMemory, BadManagementRequest)):
                 raise
             log.error("loading model %s failed: %s", spec.id, str(error))  # no reference kept
-            raise ModelLoadFailed(f"loading model {spec.id!r} failed: {error}") from None
+            raise ModelLoadFailed(
+                f"loading model {spec.id!r} failed: {error}",
+                public=f"loading model {spec.id!r} failed ({type(error).__name__}); its "
+                "last_load_error in GET /v1/models and the server's log say why",
+            ) from None
 
     def _publish(self, entry: ModelScheduler, engine: Any, capacity: int | None, spec) -> None:
         try:

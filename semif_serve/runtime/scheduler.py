@@ -37,7 +37,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from semif_serve.errors import ScoringFailed, same_failure
+from semif_serve.errors import ScoringFailed, same_failure, told_to_callers
 from semif_serve.runtime.jobs import STOPPED, Job, RunBatch, Waiter, awaited
 from semif_serve.runtime.pace import Pace
 from semif_serve.runtime.selection import BatchLimits, gather_ends, select
@@ -88,11 +88,13 @@ class ModelScheduler:
 
     # -- observation (no reservation, no timer reset) -----------------------------------------
 
-    def serving(self) -> tuple[Any, ModelSpec]:
-        """(its engine, None when not loaded; its spec), read together: a retire or a
-        reconfigure changes them under the condition, never between the two."""
+    def serving(self) -> tuple[Any, ModelSpec, bool]:
+        """(its engine, None when not loaded; its spec; whether it is unloaded because its last
+        load failed), read together: a retire, a reconfigure or a load changes them under the
+        condition, never between them."""
         with self._cond:
-            return self.engine, self.spec
+            engine = self.engine
+            return engine, self.spec, engine is None and self.last_load_error is not None
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -320,7 +322,7 @@ class ModelScheduler:
                 # Only a failed load leaves LOADING for anything but READY while requests hold
                 # slots (managers wait for them), so the failure is the awaited load's.
                 if self.state != READY and self._failed_load is not None:
-                    raise same_failure(self._failed_load)
+                    raise told_to_callers(self._failed_load)
             return self.engine
 
     def _start_load(self, load: Callable[[ModelScheduler], None]) -> None:

@@ -89,11 +89,17 @@ class DecisionService:
         return self._runtime
 
     def health(self) -> dict[str, Any]:
+        """/health's account: `status` "ok" while the default model is loaded or can load on
+        demand; "unavailable", with `reason` "model_load_failed", while its last load failed
+        (every request would get that 503), until a load succeeds."""
         settings = self._settings
+        model, failed = self._runtime.default_model_state()
+        state = {"status": "unavailable", "reason": "model_load_failed"} if failed else {}
         return {
             "status": "ok",
+            **state,
             "semif_commit": SEMIF_COMMIT,
-            "model": self._runtime.default_model_info(),
+            "model": model,
             "vram_cap_gib": settings.vram_cap_gib,
             "max_tokens": settings.max_tokens,
             "max_decisions": settings.max_decisions,

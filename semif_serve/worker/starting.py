@@ -110,6 +110,7 @@ def loading_health(default_id: str, semif_commit: str) -> dict[str, Any]:
     """/health's body while the startup models load: the default model's `loading` state."""
     return {
         "status": "loading",
+        "reason": "starting",
         "semif_commit": semif_commit,
         "model": {"id": default_id, "state": "loading"},
     }
