@@ -19,7 +19,11 @@ class ServeError(Exception):
 
 
 class InvalidRequest(ServeError, ValueError):
-    """The request cannot be scored as sent (shape, limits, a scorer ValueError) → 422."""
+    """The request cannot be scored as sent (shape, limits, a scorer ValueError) → 422.
+    `field`: the segments of the field it names, when the raiser knows them (the ecosystem
+    translators: `apis.fields.refused`); else the message's first words name it."""
+
+    field: tuple[str | int, ...] = ()
 
 
 class OptionCountUnsupported(InvalidRequest):

@@ -17,6 +17,8 @@ import re
 import pytest
 from fakes import AUTH, FakeScorer, decision, fake_app
 from falcon import testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from semif_serve.apis import decisions, mapping, systemone
 from semif_serve.apis.mapping import NO, YES, Mapped, Scored
@@ -219,7 +221,7 @@ def test_a_yes_no_question_is_true_then_false_with_the_default_descriptions():
     assert YES == "The answer to the question is yes."
     assert NO == "The answer to the question is no."
     assert mapping.yes_no("questions.a", "Q?") == Mapped(
-        "questions.a", "Q?", (YES, NO), ("criteria.true", "criteria.false")
+        "questions.a", "Q?", (YES, NO), (("criteria", "true"), ("criteria", "false"))
     )
     assert mapping.yes_no("w", "Q?", "Y", "N", ("i", "i")) == Mapped(
         "w", "Q?", ("Y", "N"), ("i", "i")
@@ -566,7 +568,10 @@ def test_noul_is_true_then_false_a_described_side_replacing_its_default(criteria
         "noul",
         (),
         Mapped(
-            "questions.urgency", "Is it urgent?", descriptions, ("criteria.true", "criteria.false")
+            "questions.urgency",
+            "Is it urgent?",
+            descriptions,
+            (("criteria", "true"), ("criteria", "false")),
         ),
     )
 
@@ -589,7 +594,7 @@ def test_choice_is_its_criteria_in_key_order_an_empty_description_being_the_name
             "questions.urgency",
             "What is the tone?",
             ("calm", "An upset message", "mixed", '{"b": 1, "a": [1, "é"]}', '["x", 2]', "Ort"),
-            tuple(f"criteria.{name}" for name in criteria),
+            tuple(("criteria", name) for name in criteria),
         ),
     )
 
@@ -608,7 +613,7 @@ def test_score_is_one_option_per_level_in_order_with_the_level_texts():
             "questions.urgency",
             "How urgent?",
             ("Can wait", '{"when": "today"}', "Now"),
-            ("criteria[0]", "criteria[1]", "criteria[2]"),
+            (("criteria", 0), ("criteria", 1), ("criteria", 2)),
         ),
     )
 
@@ -1059,7 +1064,7 @@ def test_a_predicate_is_the_yes_no_mapping():
         "open",
         "predicate",
         (),
-        Mapped("questions[0]", "Is it open?", (YES, NO), ("instructions", "instructions")),
+        Mapped("questions[0]", "Is it open?", (YES, NO), (("instructions",), ("instructions",))),
     )
     assert parsed_od(dq(), 2).name is None
     assert parsed_od(dq(), 2).mapped.where == "questions[2]"
@@ -1082,7 +1087,7 @@ def test_choices_are_described_by_their_description_else_their_value_s_text():
             "questions[0]",
             "Which?",
             ("Alpha", "b", "true", "false", "true", "Nothing"),
-            tuple(f"choices[{k}]" for k in range(6)),
+            tuple(("choices", k) for k in range(6)),
         ),
     )
 
@@ -1102,7 +1107,7 @@ def test_score_levels_are_label_colon_description_or_the_label():
             "questions[0]",
             "How much?",
             ("low: barely", "mid", "high", " top "),
-            tuple(f"levels[{k}]" for k in range(4)),
+            tuple(("levels", k) for k in range(4)),
         ),
     )
 
@@ -2100,6 +2105,55 @@ def test_openai_error_types_by_status(status, kind):
 )
 def test_param_is_the_field_an_invalid_request_names_first(error, param):
     assert openai_fields(422, str(error), error)["param"] == param
+
+
+ODD_NAMES = ["a: b", "a:b", "a.b", "a[0]", 'say "hi"', "it's", "x: y.z[1]"]
+
+
+@pytest.mark.parametrize("name", ODD_NAMES)
+def test_a_question_name_holding_colons_dots_brackets_or_quotes_is_one_segment(name):
+    """Issue 43, finding 5: `param` was parsed back out of the message, so a question named
+    "a: b" gave `questions.a`, "a:b" gave null. Now it is built from the segments."""
+    body = {"state": "s", "questions": {name: {"type": "noul", "instructions": ""}}}
+    response, _ = post("/v1/systemone", body)
+    assert response.status_code == 422
+    error = response.json["error"]
+    assert error["param"] == f"questions.{name}.instructions"
+    assert error["message"] == f"questions.{name}.instructions: must not be empty"
+    assert response.json["detail"] == [
+        {
+            "loc": ["body", "questions", name, "instructions"],
+            "msg": "must not be empty",
+            "type": "invalid_request",
+        }
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.text(max_size=12))
+def test_any_question_name_round_trips_into_param_and_loc(name):
+    body = {"state": "s", "questions": {name: {"type": "noul", "instructions": ""}}}
+    response, _ = post("/v1/systemone", body)
+    assert response.status_code == 422
+    assert response.json["error"]["param"] == f"questions.{name}.instructions"
+    assert response.json["detail"][0]["loc"] == ["body", "questions", name, "instructions"]
+
+
+@pytest.mark.parametrize("label", ODD_NAMES)
+def test_a_choice_label_holding_colons_dots_brackets_or_quotes_is_one_segment(label):
+    # Refused where the translator reads it (a description of another type) and where the
+    # service refuses the row it became (a blank description), named by the label as sent.
+    for description, problem in [(5, "must be a string, object or array, got number")]:
+        body = s1(choice({label: description, "other": "Other"}))
+        response, _ = post("/v1/systemone", body)
+        assert response.json["error"]["param"] == f"questions.a.criteria.{label}"
+        assert response.json["detail"][0]["loc"] == ["body", "questions", "a", "criteria", label]
+        assert response.json["detail"][0]["msg"] == problem
+    blank = s1(choice({label: " ", "other": "Other"}))
+    response, _ = post("/v1/systemone", blank)
+    assert response.json["error"]["param"] == f"questions.a.criteria.{label}"
+    assert response.json["detail"][0]["loc"] == ["body", "questions", "a", "criteria", label]
+    assert response.json["detail"][0]["msg"] == "must be a nonempty string"
 
 
 def test_the_two_routes_errors_carry_type_and_param():

@@ -20,6 +20,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from semif_serve.apis.fields import Field, refused
 from semif_serve.apis.mapping import (
     EXTENSION,
     FORMAT_OPTION_LIMIT,
@@ -38,7 +39,6 @@ from semif_serve.apis.mapping import (
     type_name,
     yes_no,
 )
-from semif_serve.errors import InvalidRequest
 from semif_serve.runtime.specs import requested_model
 from semif_serve.session import parse_session
 from semif_serve.state_key import state_json
@@ -103,14 +103,14 @@ def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Reque
     levels; InvalidRequest naming the field otherwise."""
     model = requested_model(body.get("model"))
     if body.get("safety_identifier") is not None and not isinstance(body["safety_identifier"], str):
-        raise InvalidRequest("safety_identifier: must be a string")
+        raise refused(Field("safety_identifier"), "must be a string")
     session = parse_session(body.get("prompt_cache_key"), "prompt_cache_key", header=False)
     _cache_options(body.get("prompt_cache_options"))
     if "input" not in body:
-        raise InvalidRequest("input: missing")
+        raise refused(Field("input"), "missing")
     questions = body.get("questions")
     if not isinstance(questions, list):
-        raise InvalidRequest("questions: must be an array of questions")
+        raise refused(Field("questions"), "must be an array of questions")
     check_question_count(len(questions))
     parsed = [_question(index, question, max_options) for index, question in enumerate(questions)]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
@@ -121,11 +121,11 @@ def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Reque
 def _cache_options(options: Any) -> None:
     if options is None:
         return
-    check_keys(options, frozenset({"mode", "ttl"}), "prompt_cache_options")
+    check_keys(options, frozenset({"mode", "ttl"}), Field("prompt_cache_options"))
     if options.get("mode") not in (None, "implicit", "explicit"):
-        raise InvalidRequest("prompt_cache_options.mode: must be implicit or explicit")
+        raise refused(Field("prompt_cache_options", "mode"), "must be implicit or explicit")
     if options.get("ttl") not in (None, "30m"):
-        raise InvalidRequest("prompt_cache_options.ttl: must be 30m")
+        raise refused(Field("prompt_cache_options", "ttl"), "must be 30m")
 
 
 def rendered_input(value: Any) -> Any:
@@ -133,9 +133,9 @@ def rendered_input(value: Any) -> Any:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise InvalidRequest("input: must be a string or an array of items")
+        raise refused(Field("input"), "must be a string or an array of items")
     calls: dict[str, str] = {}  # call_id -> its call's item type
-    return [_item(item, f"input[{index}]", calls) for index, item in enumerate(value)]
+    return [_item(item, Field("input", index), calls) for index, item in enumerate(value)]
 
 
 class _Marked(str):
@@ -176,12 +176,12 @@ def _texts(item: dict[str, Any], text: Any) -> dict[str, Any]:
     return mapped
 
 
-def _item(item: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
+def _item(item: Any, where: Field, calls: dict[str, str]) -> dict[str, Any]:
     if not isinstance(item, dict):
-        raise InvalidRequest(f"{where}: must be an object, got {type_name(item)}")
+        raise refused(where, f"must be an object, got {type_name(item)}")
     kind = item.get("type", "message")
     if not isinstance(kind, str):
-        raise InvalidRequest(f"{where}.type: must be a string, got {type_name(kind)}")
+        raise refused(where / "type", f"must be a string, got {type_name(kind)}")
     if kind == "message":
         return _message(item, where)
     if kind in TOOL_CALLS:
@@ -189,7 +189,7 @@ def _item(item: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
         check_keys(item, frozenset({"type", "call_id", "name", field}) | ITEM_METADATA, where)
         call_id = _string(item, "call_id", where)
         if call_id in calls:
-            raise InvalidRequest(f"{where}.call_id: {call_id!r} is already an earlier call's id")
+            raise refused(where / "call_id", f"{call_id!r} is already an earlier call's id")
         calls[call_id] = kind
         rendered = {"type": kind, "call_id": call_id, "name": _string(item, "name", where)}
         if isinstance(item.get("namespace"), str):
@@ -200,48 +200,46 @@ def _item(item: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
         check_keys(item, frozenset({"type", "call_id", "output", "id", "status"}), where)
         call_id = _string(item, "call_id", where)
         if calls.get(call_id) != TOOL_OUTPUTS[kind]:
-            raise InvalidRequest(
-                f"{where}.call_id: {call_id!r} matches no earlier {TOOL_OUTPUTS[kind]} item"
+            raise refused(
+                where / "call_id", f"{call_id!r} matches no earlier {TOOL_OUTPUTS[kind]} item"
             )
-        output = _content(item.get("output"), f"{where}.output", {"input_text", "input_image"})
+        output = _content(item.get("output"), where / "output", {"input_text", "input_image"})
         return {"type": kind, "call_id": call_id, "output": output}
-    raise InvalidRequest(f"{where}.type: unknown input item type {kind!r}")
+    raise refused(where / "type", f"unknown input item type {kind!r}")
 
 
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _message(item: dict[str, Any], where: Field) -> dict[str, Any]:
     check_keys(item, MESSAGE_KEYS, where)
     role = item.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        raise InvalidRequest(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
-    return {"role": role, "content": _content(item.get("content"), f"{where}.content", ROLES[role])}
+        raise refused(where / "role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+    return {"role": role, "content": _content(item.get("content"), where / "content", ROLES[role])}
 
 
-def _content(content: Any, where: str, allowed: frozenset[str]) -> Any:
+def _content(content: Any, where: Field, allowed: frozenset[str]) -> Any:
     """A string as it is; parts as a list of their renderings (one part: itself)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
-        raise InvalidRequest(f"{where}: must be a string or a nonempty array of parts")
-    parts = [_part(part, f"{where}[{index}]", allowed) for index, part in enumerate(content)]
+        raise refused(where, "must be a string or a nonempty array of parts")
+    parts = [_part(part, where / index, allowed) for index, part in enumerate(content)]
     return parts[0] if len(parts) == 1 else parts
 
 
-def _part(part: Any, where: str, allowed: frozenset[str]) -> Any:
+def _part(part: Any, where: Field, allowed: frozenset[str]) -> Any:
     kind = part.get("type") if isinstance(part, dict) else None
     if not isinstance(kind, str) or kind not in allowed:
-        raise InvalidRequest(
-            f"{where}: must be a part of type {', '.join(sorted(allowed))}, got {kind!r}"
-        )
+        raise refused(where, f"must be a part of type {', '.join(sorted(allowed))}, got {kind!r}")
     if kind == "input_image":
         raise refuse_image(where)
     if kind == "input_json":
         check_keys(part, frozenset({"type", "data"}), where)
         data = part.get("data")
         if not isinstance(data, (dict, list)):
-            raise InvalidRequest(f"{where}.data: must be an object or an array of objects")
+            raise refused(where / "data", "must be an object or an array of objects")
         for index, entry in enumerate(data if isinstance(data, list) else ()):
             if not isinstance(entry, dict):
-                raise InvalidRequest(f"{where}.data[{index}]: must be an object")
+                raise refused(where / "data" / index, "must be an object")
         return {JSON_PART: data}
     field = "refusal" if kind == "refusal" else "text"
     # Only an input_text part may mark the end of a reusable prefix (the format's own rule).
@@ -249,83 +247,79 @@ def _part(part: Any, where: str, allowed: frozenset[str]) -> Any:
     check_keys(part, frozenset({"type", field}) | marks, where)
     breakpoint_ = part.get("prompt_cache_breakpoint")
     if breakpoint_ is not None and breakpoint_ != BREAKPOINT:
-        raise InvalidRequest(f'{where}.prompt_cache_breakpoint: must be {{"mode": "explicit"}}')
+        raise refused(where / "prompt_cache_breakpoint", 'must be {"mode": "explicit"}')
     text = _string(part, field, where, nonempty=False)
     if kind == "refusal":
         return {"refusal": text}
     return text if breakpoint_ is None else _Marked(text)
 
 
-def _string(item: dict[str, Any], key: str, where: str, nonempty: bool = True) -> str:
+def _string(item: dict[str, Any], key: str, where: Field, nonempty: bool = True) -> str:
     value = item.get(key)
     if not isinstance(value, str) or (nonempty and not value.strip()):
         need = "a nonempty string" if nonempty else "a string"
-        raise InvalidRequest(f"{where}.{key}: must be {need}")
+        raise refused(where / key, f"must be {need}")
     return value
 
 
 def _question(index: int, question: Any, max_options: int) -> Question:
-    where = f"questions[{index}]"
+    where = Field("questions", index)
     if not isinstance(question, dict):
-        raise InvalidRequest(f"{where}: must be an object with a type")
+        raise refused(where, "must be an object with a type")
     kind = question.get("type")
     if not isinstance(kind, str | None):
-        raise InvalidRequest(f"{where}.type: must be a string, got {type_name(kind)}")
+        raise refused(where / "type", f"must be a string, got {type_name(kind)}")
     if kind not in QUESTION_KEYS:
         shown = "missing" if kind is None else f"unknown question type {kind!r}"
-        raise InvalidRequest(
-            f"{where}.type: {shown}; this server answers predicate, choice and score"
-        )
+        raise refused(where / "type", f"{shown}; this server answers predicate, choice and score")
     check_keys(question, QUESTION_KEYS[kind], where)
     name = question.get("name")
     if name is not None and not isinstance(name, str):
-        raise InvalidRequest(f"{where}.name: must be a string")
-    text = _instructions(question.get("instructions"), f"{where}.instructions")
+        raise refused(where / "name", "must be a string")
+    text = _instructions(question.get("instructions"), where / "instructions")
     if kind == "predicate":
-        fields = ("instructions", "instructions")
+        fields = (("instructions",), ("instructions",))
         return Question(name, kind, (), yes_no(where, text, fields=fields))
     if kind == "choice":
-        values, descriptions = _choices(question.get("choices"), f"{where}.choices", max_options)
-        fields = tuple(f"choices[{k}]" for k in range(len(values)))
+        values, descriptions = _choices(question.get("choices"), where / "choices", max_options)
+        fields = tuple(("choices", k) for k in range(len(values)))
         return Question(name, kind, values, Mapped(where, text, descriptions, fields))
-    labels, descriptions = _levels(question.get("levels"), f"{where}.levels", max_options)
-    fields = tuple(f"levels[{k}]" for k in range(len(labels)))
+    labels, descriptions = _levels(question.get("levels"), where / "levels", max_options)
+    fields = tuple(("levels", k) for k in range(len(labels)))
     return Question(name, kind, labels, Mapped(where, text, descriptions, fields))
 
 
-def _instructions(value: Any, where: str) -> str:
+def _instructions(value: Any, where: Field) -> str:
     """A string, or parts: each text as it is and each `input_json` as JSON, one per line."""
     if not isinstance(value, list):
         return instructions_text(value, where)
     if not value:
-        raise InvalidRequest(f"{where}: must not be empty")
+        raise refused(where, "must not be empty")
     allowed = frozenset({"input_text", "input_image", "input_json"})
-    parts = [_part(part, f"{where}[{index}]", allowed) for index, part in enumerate(value)]
+    parts = [_part(part, where / index, allowed) for index, part in enumerate(value)]
     # Each input_json part as its data's JSON (a criterion is text: no wrapper needed).
     data = [part[JSON_PART] if isinstance(part, dict) else part for part in parts]
     return instructions_text("\n".join(content_text(part, where) for part in data), where)
 
 
-def _choices(choices: Any, where: str, limit: int) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+def _choices(choices: Any, where: Field, limit: int) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     if not isinstance(choices, list):
-        raise InvalidRequest(f"{where}: must be an array of {{value, description}}")
+        raise refused(where, "must be an array of {value, description}")
     check_option_count(len(choices), where, "choices", limit)
     values, descriptions, seen = [], [], {}
     for index, choice in enumerate(choices):
-        at = f"{where}[{index}]"
+        at = where / index
         check_keys(choice, CHOICE_KEYS, at)
         value = choice.get("value")
         if not isinstance(value, (str, bool)):
-            raise InvalidRequest(f"{at}.value: must be a string or a boolean")
+            raise refused(at / "value", "must be a string or a boolean")
         typed = (type(value), value)  # "true" and true are different choices
         if typed in seen:
-            raise InvalidRequest(
-                f"{at}.value: {value!r} is already the value of {where}[{seen[typed]}]"
-            )
+            raise refused(at / "value", f"{value!r} is already the value of {where}[{seen[typed]}]")
         seen[typed] = index
         description = choice.get("description")
         if description is not None and not isinstance(description, str):
-            raise InvalidRequest(f"{at}.description: must be a string")
+            raise refused(at / "description", "must be a string")
         values.append(value)
         descriptions.append(description or _value_text(value))
     return tuple(values), tuple(descriptions)
@@ -337,23 +331,21 @@ def _value_text(value: str | bool) -> str:
     return value
 
 
-def _levels(levels: Any, where: str, limit: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _levels(levels: Any, where: Field, limit: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if not isinstance(levels, list):
-        raise InvalidRequest(f"{where}: must be an array of {{label, description}}, lowest first")
+        raise refused(where, "must be an array of {label, description}, lowest first")
     check_option_count(len(levels), where, "levels", limit)
     labels, descriptions, seen = [], [], {}
     for index, level in enumerate(levels):
-        at = f"{where}[{index}]"
+        at = where / index
         check_keys(level, LEVEL_KEYS, at)
         label = _string(level, "label", at)
         if label in seen:
-            raise InvalidRequest(
-                f"{at}.label: {label!r} is already the label of {where}[{seen[label]}]"
-            )
+            raise refused(at / "label", f"{label!r} is already the label of {where}[{seen[label]}]")
         seen[label] = index
         description = level.get("description")
         if description is not None and not isinstance(description, str):
-            raise InvalidRequest(f"{at}.description: must be a string")
+            raise refused(at / "description", "must be a string")
         labels.append(label)
         descriptions.append(f"{label}: {description}" if description else label)
     return tuple(labels), tuple(descriptions)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from semif_serve.apis import grouped
+from semif_serve.apis.fields import Field, Segment, as_field, refused, segments
 from semif_serve.errors import InvalidRequest, OptionCountUnsupported
 from semif_serve.scoring.rows import MIN_OPTIONS
 
@@ -46,13 +47,14 @@ OPTION_FIELD = re.compile(r"options\[(\d+)\](?:\.\w+)?")
 class Mapped:
     """One question as one row over the request's state."""
 
-    where: str  # how messages name the question: `questions.urgency`, `questions[3]`
+    where: Field  # how messages name the question: `questions.urgency`, `questions[3]`
     question: str  # the criterion the prompt shows
     descriptions: tuple[str, ...]  # each option's description, in letter order
-    option_fields: tuple[str, ...]  # where each came from in the question (`criteria.calm`)
+    # where each came from in the question, as segments: ("criteria", "calm")
+    option_fields: tuple[tuple[Segment, ...], ...]
 
 
-def content_text(content: Any, where: str) -> str:
+def content_text(content: Any, where: Field) -> str:
     """Instructions or a description as the prompt shows it: a string as it is, an object or an
     array as JSON (keys in the order sent, non-ASCII as it is)."""
     if isinstance(content, str):
@@ -61,44 +63,49 @@ def content_text(content: Any, where: str) -> str:
         try:
             return json.dumps(content, ensure_ascii=False, allow_nan=False)
         except RecursionError:
-            raise InvalidRequest(f"{where}: nested too deeply") from None
-    raise InvalidRequest(f"{where}: must be a string, object or array, got {type_name(content)}")
+            raise refused(where, "nested too deeply") from None
+    raise refused(where, f"must be a string, object or array, got {type_name(content)}")
 
 
-def described(content: Any, fallback: str, where: str) -> str:
+def described(content: Any, fallback: str, where: Field) -> str:
     """An option's description: `fallback` when it is null or empty, else `content_text`."""
     return fallback if content is None or content == "" else content_text(content, where)
 
 
-def instructions_text(content: Any, where: str) -> str:
+def instructions_text(content: Any, where: Field) -> str:
     """A question's criterion; missing, null or blank is refused."""
     if content is None:
-        raise InvalidRequest(f"{where}: missing; every question needs instructions")
+        raise refused(where, "missing; every question needs instructions")
     text = content_text(content, where)
     if not text.strip():
-        raise InvalidRequest(f"{where}: must not be empty")
+        raise refused(where, "must not be empty")
     return text
 
 
-def check_option_count(count: int, where: str, noun: str, limit: int) -> None:
+def check_option_count(count: int, where: Field, noun: str, limit: int) -> None:
     """2..`limit` (SEMIF_MAX_OPTIONS) options; more is `option_count_unsupported`."""
     if count > limit:
-        raise OptionCountUnsupported(
-            f"{where}: {count} {noun}, over the {limit} this server scores (SEMIF_MAX_OPTIONS; "
-            f"the format allows {FORMAT_OPTION_LIMIT}). Nothing is truncated: split the question"
+        raise refused(
+            where,
+            f"{count} {noun}, over the {limit} this server scores (SEMIF_MAX_OPTIONS; the "
+            f"format allows {FORMAT_OPTION_LIMIT}). Nothing is truncated: split the question",
+            OptionCountUnsupported,
         )
     if count < MIN_OPTIONS:
-        raise InvalidRequest(f"{where}: needs at least {MIN_OPTIONS} {noun}, got {count}")
+        raise refused(where, f"needs at least {MIN_OPTIONS} {noun}, got {count}")
 
 
-def check_question_count(count: int, where: str = "questions") -> None:
+def check_question_count(count: int, where: Field | str = "questions") -> None:
     if not 1 <= count <= MAX_QUESTIONS:
-        raise InvalidRequest(f"{where}: must hold 1..{MAX_QUESTIONS} questions, got {count}")
+        raise refused(where, f"must hold 1..{MAX_QUESTIONS} questions, got {count}")
 
 
-def yes_no(where: str, question: str, yes: str = YES, no: str = NO, fields=None) -> Mapped:
+YES_NO_FIELDS = (("criteria", "true"), ("criteria", "false"))
+
+
+def yes_no(where: Field, question: str, yes: str = YES, no: str = NO, fields=None) -> Mapped:
     """A yes/no question: options `true` then `false` (answer = p(true))."""
-    return Mapped(where, question, (yes, no), fields or ("criteria.true", "criteria.false"))
+    return Mapped(where, question, (yes, no), fields or YES_NO_FIELDS)
 
 
 def shared_bodies(
@@ -171,8 +178,10 @@ def check_descriptions(questions: list[Mapped]) -> None:
     for question in questions:
         for position, text in enumerate(question.descriptions):
             if not text.strip():
-                field = question.option_fields[position]
-                raise InvalidRequest(f"{question.where}.{field}: must be a nonempty string")
+                option = as_field(question.option_fields[position])
+                raise refused(
+                    Field(*as_field(question.where).path, *option.path), "must be a nonempty string"
+                )
 
 
 def _rows_scored(
@@ -245,14 +254,16 @@ def located(error: InvalidRequest, questions: list[Mapped], state_field: str) ->
     if found is None or int(found.group(1)) >= len(questions):
         return error
     mapped = questions[int(found.group(1))]
-    field = found.group(2)
-    option = OPTION_FIELD.match(field or "")
+    tail = found.group(2) or ""  # the service's own field names: plain, safe to split
+    inside = segments(tail)
+    option = OPTION_FIELD.match(tail)
     if option is not None and int(option.group(1)) < len(mapped.option_fields):
-        field = mapped.option_fields[int(option.group(1))] + field[option.end() :]
-    elif field == "question":
-        field = "instructions"
-    name = mapped.where if not field else f"{mapped.where}.{field}"
-    return type(error)(f"{name}: {message[found.end() :]}")
+        own = as_field(mapped.option_fields[int(option.group(1))]).path
+        inside = (*own, *segments(tail[option.end() :]))
+    elif tail == "question":
+        inside = ("instructions",)
+    field = Field(*as_field(mapped.where).path, *inside)
+    return refused(field, message[found.end() :], type(error))
 
 
 def type_name(value: Any) -> str:
@@ -266,16 +277,16 @@ def ignored_keys(body: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]
     return tuple(key for key in body if key not in known)
 
 
-def check_keys(value: Any, allowed: frozenset[str], where: str) -> dict[str, Any]:
+def check_keys(value: Any, allowed: frozenset[str], where: Field) -> dict[str, Any]:
     """`value` as an object with no keys but `allowed`."""
     if not isinstance(value, dict):
-        raise InvalidRequest(f"{where}: must be an object, got {type_name(value)}")
+        raise refused(where, f"must be an object, got {type_name(value)}")
     unknown = sorted(set(value) - allowed)
     if unknown:
         known = ", ".join(sorted(allowed))
-        raise InvalidRequest(f"{where}: unknown keys {unknown}; allowed: {known}")
+        raise refused(where, f"unknown keys {unknown}; allowed: {known}")
     return value
 
 
-def refuse_image(where: str) -> InvalidRequest:
-    return InvalidRequest(f"{where}: images are not supported: this server runs a text-only model")
+def refuse_image(where: Field) -> InvalidRequest:
+    return refused(where, "images are not supported: this server runs a text-only model")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from semif_serve.apis.fields import Field, refused
 from semif_serve.apis.mapping import (
     EXTENSION,
     FORMAT_OPTION_LIMIT,
@@ -37,7 +38,6 @@ from semif_serve.apis.mapping import (
     type_name,
     yes_no,
 )
-from semif_serve.errors import InvalidRequest
 from semif_serve.runtime.specs import requested_model
 
 REQUEST_KEYS = frozenset({"model", "state", "questions", "assets", "timeout_s"})
@@ -74,13 +74,13 @@ def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Reque
     """The request as questions over one state, each of at most `max_options` options;
     InvalidRequest naming the field otherwise."""
     if body.get("assets") is not None:
-        raise refuse_image("assets")
+        raise refuse_image(Field("assets"))
     if "state" not in body:
-        raise InvalidRequest("state: missing")
+        raise refused(Field("state"), "missing")
     model = requested_model(body.get("model"))
     questions = body.get("questions")
     if not isinstance(questions, dict):
-        raise InvalidRequest("questions: must be an object {name: question}")
+        raise refused(Field("questions"), "must be an object {name: question}")
     check_question_count(len(questions))
     parsed = [_question(name, question, max_options) for name, question in questions.items()]
     routing = {"timeout_s": body["timeout_s"]} if "timeout_s" in body else {}
@@ -88,60 +88,61 @@ def parse(body: dict[str, Any], max_options: int = FORMAT_OPTION_LIMIT) -> Reque
 
 
 def _question(name: str, question: Any, max_options: int) -> Question:
-    where = f"questions.{name}"
+    where = Field("questions", name)  # the name as sent: one segment, whatever it holds
     if not isinstance(question, dict):
-        raise InvalidRequest(f"{where}: must be an object with a type")
+        raise refused(where, "must be an object with a type")
     kind = question.get("type")
     if not isinstance(kind, str | None):
-        raise InvalidRequest(f"{where}.type: must be a string, got {type_name(kind)}")
+        raise refused(where / "type", f"must be a string, got {type_name(kind)}")
     if kind == "box":
-        raise InvalidRequest(
-            f"{where}: box questions locate things in images, which needs a vision model; "
-            "this server runs a text-only model"
+        raise refused(
+            where,
+            "box questions locate things in images, which needs a vision model; this server "
+            "runs a text-only model",
         )
     if kind not in QUESTION_KEYS:
         shown = "missing" if kind is None else f"unknown question type {kind!r}"
-        raise InvalidRequest(f"{where}.type: {shown}; this server answers noul, choice and score")
+        raise refused(where / "type", f"{shown}; this server answers noul, choice and score")
     check_keys(question, QUESTION_KEYS[kind], where)
     criteria = question.get("criteria")
     if kind == "noul":
         return Question(name, kind, (), _noul(where, question.get("instructions"), criteria))
-    text = instructions_text(question.get("instructions"), f"{where}.instructions")
+    text = instructions_text(question.get("instructions"), where / "instructions")
     if kind == "choice":
         if not isinstance(criteria, dict):
-            raise InvalidRequest(f"{where}.criteria: must be an object {{name: description}}")
-        check_option_count(len(criteria), f"{where}.criteria", "choices", max_options)
+            raise refused(where / "criteria", "must be an object {name: description}")
+        check_option_count(len(criteria), where / "criteria", "choices", max_options)
         labels = tuple(criteria)
         descriptions = tuple(
-            described(text, label, f"{where}.criteria.{label}") for label, text in criteria.items()
+            described(text, label, where / "criteria" / label) for label, text in criteria.items()
         )
-        fields = tuple(f"criteria.{label}" for label in labels)
+        fields = tuple(("criteria", label) for label in labels)
         return Question(name, kind, labels, Mapped(where, text, descriptions, fields))
     if not isinstance(criteria, list):
-        raise InvalidRequest(f"{where}.criteria: must be an array of levels, from score 0 up")
-    check_option_count(len(criteria), f"{where}.criteria", "levels", max_options)
+        raise refused(where / "criteria", "must be an array of levels, from score 0 up")
+    check_option_count(len(criteria), where / "criteria", "levels", max_options)
     legend = tuple(
-        content_text(level, f"{where}.criteria[{index}]") for index, level in enumerate(criteria)
+        content_text(level, where / "criteria" / index) for index, level in enumerate(criteria)
     )
-    fields = tuple(f"criteria[{index}]" for index in range(len(criteria)))
+    fields = tuple(("criteria", index) for index in range(len(criteria)))
     return Question(name, kind, legend, Mapped(where, text, legend, fields))
 
 
-def _noul(where: str, instructions: Any, criteria: Any) -> Mapped:
+def _noul(where: Field, instructions: Any, criteria: Any) -> Mapped:
     """Options `true`, `false`; without instructions, a described side is the question."""
     if criteria is not None:
-        check_keys(criteria, NOUL_SIDES, f"{where}.criteria")
+        check_keys(criteria, NOUL_SIDES, where / "criteria")
     sides = {} if criteria is None else criteria
     yes, no = (sides.get(side) for side in ("true", "false"))
     if _blank(instructions) and not (_blank(yes) and _blank(no)):
         text = NOUL_WITHOUT_INSTRUCTIONS
     else:
-        text = instructions_text(instructions, f"{where}.instructions")
+        text = instructions_text(instructions, where / "instructions")
     return yes_no(
         where,
         text,
-        described(yes, YES, f"{where}.criteria.true"),
-        described(no, NO, f"{where}.criteria.false"),
+        described(yes, YES, where / "criteria" / "true"),
+        described(no, NO, where / "criteria" / "false"),
     )
 
 

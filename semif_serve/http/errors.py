@@ -16,6 +16,7 @@ from typing import Any
 
 import falcon
 
+from semif_serve.apis.fields import Field, segments
 from semif_serve.errors import (
     BadManagementRequest,
     BadRequest,
@@ -110,7 +111,6 @@ ERROR_TYPES = {
     429: "rate_limit_error",
 }
 FIELD_PREFIX = re.compile(r"([^:\s][^:]*): ")
-PATH_STEP = re.compile(r"\[(\d+)\]|([^.\[\]]+)")
 
 
 def envelope(
@@ -125,28 +125,40 @@ def envelope(
     return json.dumps(body, ensure_ascii=False)
 
 
-def hosted_detail(status: int, code: str, message: str, fields: dict[str, str | None]) -> Any:
+def named_field(message: str, error: Exception) -> Field | None:
+    """The field an invalid request names: the segments its raiser gave (the translators:
+    a question name or a label holding `:`, `.` or `[` is one segment, as sent), else the
+    message's first words (the server's own plain field names); None: no field (`body`)."""
+    if not isinstance(error, InvalidRequest):
+        return None
+    if error.field:
+        return Field(*error.field)
+    found = FIELD_PREFIX.match(message)
+    if found is None or found.group(1) == "body":
+        return None
+    return Field(*segments(found.group(1)))
+
+
+def hosted_detail(status: int, code: str, message: str, error: Exception) -> Any:
     """System One's `detail`: a 422's field path (`questions.tone.criteria[2]` → `["body",
-    "questions", "tone", "criteria", 2]`; a name holding `.` or `[` splits there too) and message;
-    any other error's type and message."""
+    "questions", "tone", "criteria", 2]`, each name as sent) and message; any other error's
+    type and message."""
     message = encodable(message)
     if status != 422:
-        return {"error_type": fields["type"], "message": message}
-    param = fields["param"]
+        return {"error_type": openai_fields(status, message, error)["type"], "message": message}
     path: list[str | int] = ["body"]
-    if param is not None:
-        for index, name in PATH_STEP.findall(param):
-            path.append(int(index) if index else name)
-        message = message[len(param) + 2 :]
+    field = named_field(message, error)
+    if field is not None:
+        path += [encodable(step) if isinstance(step, str) else step for step in field.path]
+        message = message.removeprefix(f"{encodable(field)}: ")
     return [{"loc": path, "msg": message, "type": code}]
 
 
 def openai_fields(status: int, message: str, error: Exception) -> dict[str, str | None]:
-    """`type` by status, and `param`: the field an invalid request's message names first."""
+    """`type` by status, and `param`: the field an invalid request names (`named_field`)."""
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    field = FIELD_PREFIX.match(message) if isinstance(error, InvalidRequest) else None
-    param = None if field is None or field.group(1) == "body" else encodable(field.group(1))
-    return {"type": kind, "param": param}
+    field = named_field(message, error)
+    return {"type": kind, "param": None if field is None else encodable(field)}
 
 
 def encodable(text: str) -> str:
@@ -182,7 +194,7 @@ def handle_error(req: falcon.Request, resp: falcon.Response, error: Exception, p
     extra = detail = None
     if req.path in ECOSYSTEM_ROUTES:
         extra = openai_fields(status, message, error)
-        detail = hosted_detail(status, code, message, extra)
+        detail = hosted_detail(status, code, message, error)
     resp.data = envelope(code, message, extra, detail).encode()
     for name, value in headers.items():
         resp.set_header(name, value)
