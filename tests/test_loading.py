@@ -61,6 +61,26 @@ def same_weights(saved, loaded) -> bool:
     return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_weights_changed_on_disk_after_the_load_change_nothing_served(tmp_path):
+    """Issue 43, finding 7: the CPU weights were the safetensors file mapped into memory, so a
+    file rewritten after the load changed what the running server answered, under the revision
+    it had verified. They are copied into the process's own memory at load."""
+    save_tiny(tmp_path)
+    loaded = load_model(str(tmp_path), "r1", dtype="float32")  # the file's own dtype
+    served = {name: tensor.clone() for name, tensor in loaded.model.state_dict().items()}
+    weights = tmp_path / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:  # rewritten in place, as a copy over it would
+        handle.seek(size // 2)
+        handle.write(bytes(size - size // 2))
+    now = loaded.model.state_dict()
+    assert [name for name in served if not torch.equal(served[name], now[name])] == []
+    embeddings = loaded.model.get_input_embeddings().weight
+    assert embeddings is loaded.model.get_output_embeddings().weight or not (
+        loaded.model.config.tie_word_embeddings
+    )
+
+
 def test_a_local_folder_loads_in_eval_mode_with_its_revision(tmp_path):
     saved = save_tiny(tmp_path)
     loaded = load_model(str(tmp_path), "my-build-7")

@@ -15,6 +15,7 @@ torn down) and estimates the bytes its weights will hold.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import re
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ def load_model(
     except SafetensorError as error:
         raise ModelLoadError(unreadable_weights_message(source, located, error)) from error
     check_files_unchanged(source, located, before)
+    held_privately(model)
     model.to(device)
     model.eval()
     if invariant:  # before `info` names its attention (ScoringModel would, after)
@@ -94,6 +96,18 @@ def load_model(
         return ScoringModel(model=model, tokenizer=tokenizer, info=info, invariant=invariant)
     except UnsupportedModel as error:  # a head whose final logits no batched path reproduces
         raise ModelLoadError(f"{source}: {error}") from None
+
+
+def held_privately(model: Any) -> None:
+    """Copy every CPU weight into the process's own memory, once its files were checked:
+    transformers maps a local safetensors file into memory, so a weights file changed on disk
+    after the load would change what the server answers, under the revision it verified (and a
+    truncated one would kill the worker with SIGBUS). One pass over the weights; tied weights
+    stay tied (they are one parameter)."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
 
 
 def attention_implementation(model: Any) -> str:

@@ -10,7 +10,9 @@ of the revision, so results name the snapshot that was loaded, not only what it 
 
 What is not caught: a file changed between this check and the read that follows it (the loader
 compares the files' sizes and modification times before and after it reads them, so a copy still
-being written is caught there), and weights damaged in memory after the load.
+being written is caught there), and weights damaged in memory after the load (a file changed
+on disk after the load changes nothing served: the loader copies the CPU weights into the
+process's own memory, `loading.held_privately`).
 """
 
 from __future__ import annotations
