@@ -104,15 +104,33 @@ def test_a_copied_snapshot_zeroed_in_the_middle_is_refused_naming_the_file(
     assert probabilities(load_model(str(folder))) != pytest.approx(undamaged, abs=1e-3)
 
 
+def truncated_config(folder):
+    config = folder / "config.json"
+    config.write_bytes(config.read_bytes()[:10])
+
+
 @pytest.mark.server
-def test_a_server_on_a_zeroed_snapshot_converts_it_again_and_serves_the_right_numbers(
-    pristine, smollm2, undamaged, copies
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (
+            lambda folder: zero_block(folder / "model.safetensors", EIGHT_MB),
+            "model.safetensors has sha256",
+        ),
+        # Issue 43, finding 3: the start-up check read this config before the manifest was
+        # checked, and the server exited 2 instead of converting again.
+        (truncated_config, "config.json has 10 bytes"),
+    ],
+)
+def test_a_server_on_a_damaged_snapshot_converts_it_again_and_serves_the_right_numbers(
+    pristine, smollm2, undamaged, copies, damage, said
 ):
-    """The operator's fault test: 8 MB zeroed in the middle of model.safetensors, its marker
-    intact. The server converts again from the GGUF (the real conversion), saying so in one
-    line, and answers what the undamaged snapshot answers, under the undamaged revision."""
+    """The operator's fault test: 8 MB zeroed in the middle of model.safetensors (or its config
+    cut short), its marker intact. The server converts again from the GGUF (the real
+    conversion), saying so in one line, and answers what the undamaged snapshot answers, under
+    the undamaged revision."""
     cache, folder = cache_copy(pristine, copies / "cache")
-    zero_block(folder / "model.safetensors", EIGHT_MB)
+    damage(folder)
     with LiveServer(semif_serve_command(), real_env(cache), copies / "server.log") as server:
         status, health, _ = server.request("GET", "/health")
         assert status == 200 and health["model"]["revision"] == smollm2.info.revision
@@ -122,5 +140,5 @@ def test_a_server_on_a_zeroed_snapshot_converts_it_again_and_serves_the_right_nu
         assert decided["probabilities"] == pytest.approx(undamaged, abs=1e-6)
         log = server.log_text()
     warnings = [line for line in log.splitlines() if "converting it again" in line]
-    assert len(warnings) == 1 and "model.safetensors has sha256" in warnings[0], log
+    assert len(warnings) == 1 and said in warnings[0], log
     assert snapshot_manifest.problems(folder, snapshot_manifest.read(folder)) == []

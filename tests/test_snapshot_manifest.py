@@ -303,6 +303,37 @@ def test_without_converting_an_older_snapshot_counts_as_not_converted(tmp_path, 
     assert json.loads(json.dumps(manifest)) == manifest  # plain JSON, as written
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda f: (f / "config.json").write_bytes(CONFIG[:5]),  # truncated
+        lambda f: flip_byte(f / "config.json", 3),
+        lambda f: (f / "config.json").unlink(),
+        lambda f: [path.unlink() for path in f.iterdir() if path.name != MARKER],  # marker only
+    ],
+)
+def test_a_damaged_snapshot_counts_as_not_converted_before_anything_reads_it(tmp_path, damage):
+    """Issue 43, finding 3: with config.json truncated (or only the marker left) the start-up
+    check read the config before the manifest was checked, and the server exited 2 instead of
+    converting the snapshot again as every other damaged file is."""
+    folder = tmp_path / "builtin" / "smollm2-135m" / f"0.1.2-{builtin.GGUF_SHA256[:16]}"
+    written(folder)
+    damage(folder)
+    located, _ = builtin.snapshot(builtin.SMOLLM2, cache_dir=tmp_path, convert=False)
+    assert located is None
+    assert (
+        loading.inspect_source(builtin.SMOLLM2, cache_dir=tmp_path) is None
+    )  # nothing read, no error
+
+
+def test_a_local_folder_is_checked_against_its_manifest_before_its_config_is_read(tmp_path):
+    written(tmp_path)
+    (tmp_path / "config.json").write_bytes(CONFIG[:5])
+    with pytest.raises(loading.ModelLoadError, match="differs from its manifest") as refused:
+        loading.inspect_source(str(tmp_path))
+    assert "config.json has 5 bytes" in str(refused.value)
+
+
 def test_the_manifest_module_is_what_the_builtin_marker_names():
     assert builtin.SNAPSHOT_MARKER == snapshot_manifest.MARKER == "semif-snapshot-complete"
 

@@ -71,10 +71,15 @@ def snapshot(
     root = resolve_cache_dir(cache_dir) / "builtin" / "smollm2-135m"
     folder = root / f"{version}-{digest[:16]}"
     if not convert:
+        # Checked before anything reads its files (a start-up check reads its config next): a
+        # snapshot that differs from its manifest, an older semif-serve's or a damaged one counts
+        # as not converted, and the load converts it again.
         try:
             manifest = snapshot_manifest.read(folder)
+            if manifest is not None and snapshot_manifest.problems(folder, manifest):
+                manifest = None
         except (snapshot_manifest.ManifestError, OSError):
-            manifest = None  # an older semif-serve's: the next load converts it again
+            manifest = None
         if manifest is None:
             return None, revision
     else:

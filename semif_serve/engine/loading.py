@@ -283,6 +283,7 @@ def inspect_source(
     )
     if located.folder is None:
         return None
+    check_folder_manifest(source, located)  # before its config is read: a damaged file is named
     try:
         config = _read_config(located)
     except (OSError, ValueError, KeyError) as error:
