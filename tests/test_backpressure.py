@@ -743,11 +743,12 @@ def test_the_queue_figures_count_in_integers_and_time_in_seconds():
         ("/v1/decisions", {"input": "s", "questions": [PREDICATE] * 3}),
     ],
 )
-def test_a_request_of_several_calls_waits_within_one_deadline(path, body):
+@pytest.mark.parametrize("rows", [1, 4])  # each call alone (a lease), or batched (a job)
+def test_a_request_of_several_calls_waits_within_one_deadline(path, body, rows):
     """Issue 40, defect 9: each call of a request over SEMIF_MAX_DECISIONS questions had a
     deadline of its own, from when it queued: a 400-question request could wait ~7x its
     timeout. Now every call's deadline is the one counted from the request's arrival."""
-    config = settings(max_decisions=1)
+    config = settings(max_decisions=1, max_batch_rows=rows)
     rt = Runtime(config, lambda spec: Engine(FakeScorer()), [spec("a")], "a")
     deadlines = []
     own = rt.deadline

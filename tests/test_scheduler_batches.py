@@ -613,6 +613,7 @@ def test_a_caller_who_leaves_while_its_batch_runs_is_answered_at_once():
     left.set()
     assert leaving.done.wait(WAIT_S), "the request waited for a batch its caller had left"
     assert isinstance(leaving.outcome, ClientGone) and not leader.done.is_set()
+    assert str(leaving.outcome) == "the client closed its connection before its request was scored"
     gate.set()
     assert leader.result().outcome["id"] == "leader"
     assert scorer.batches == [["first"], ["leader", "leaving"]]

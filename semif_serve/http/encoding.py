@@ -94,10 +94,10 @@ def _zstd_frame(data: memoryview, output: _Output) -> int:
     (`unused_data`) is at most one piece, however much of the body follows."""
     decoder = zstd.ZstdDecompressor()
     fed = 0
-    piece: bytes | memoryview = b""
+    piece: bytes | memoryview  # a fresh decoder needs input: the first pass feeds it
     try:
         # Each pass reads input or writes output, so this many passes always reach the end.
-        for _ in range(len(data) + output.room + 1):
+        for _ in range(len(data) + output.room):
             if decoder.needs_input:
                 if fed == len(data):
                     break
@@ -117,7 +117,7 @@ def _gzip_frame(data: memoryview, output: _Output) -> int:
     decoder = zlib.decompressobj(wbits=GZIP_WBITS)
     piece, fed = data[:INPUT_STEP], min(len(data), INPUT_STEP)
     try:
-        for _ in range(len(data) + output.room + 1):
+        for _ in range(len(data) + output.room):
             chunk = decoder.decompress(piece, output.room)
             output.keep(chunk)
             if decoder.eof:

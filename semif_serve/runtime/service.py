@@ -112,17 +112,16 @@ class DecisionService:
         client_gone: ClientCheck | None = None,
         session: str | None = None,
         patience_s: float | None = None,
-        arrived: float | None = None,
     ) -> Outcome:
         """/decide. `session`: the caller's (`semif_serve.session`), whose stored state
         prefixes the call may reuse and add to; `patience_s`: the timeout its client announced
-        (it bounds the request's wait as `timeout_s` does); `arrived`: when the request arrived
-        (`time.monotonic`; default now), from which its one deadline counts."""
+        (it bounds the request's wait as `timeout_s` does). One call: its deadline counts from
+        now."""
         _check_keys(body, DECIDE_KEYS, "body")
         workload = self._workload(body)
         decision = _decision(body, "", session)
         _check_workload_without_orderings(workload, [decision])
-        route = _routing(body, patience_s, arrived)
+        route = _routing(body, patience_s, None)
         if decision.mode == "none":
             result, batch = self._scored(route, DIRECT, decision.rows[0], client_gone, [decision])
             return Outcome(
@@ -145,8 +144,9 @@ class DecisionService:
         arrived: float | None = None,
     ) -> Outcome:
         """/decide/shared (and the ecosystem routes' calls: each of a request's calls passes
-        the request's `arrived`, so all wait within its one deadline); `session`,
-        `patience_s` and `arrived` as for `decide`;
+        the request's `arrived`, so all wait within its one deadline); `session` and
+        `patience_s` as for `decide`; `arrived`: when the request arrived (`time.monotonic`;
+        default now), from which its one deadline counts;
         `breakpoints`: where the caller marked reusable ends of the state (`Row.breakpoints`);
         `empty_state`: an empty state is allowed (the ecosystem formats allow one)."""
         _check_keys(body, SHARED_KEYS, "body")
