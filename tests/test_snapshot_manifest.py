@@ -144,6 +144,18 @@ def test_any_difference_from_the_manifest_is_found_and_names_the_file(tmp_path, 
     assert len(found) == 1 and found[0].startswith(expected), found
 
 
+def test_problems_of_named_files_only_compare_those(tmp_path):
+    manifest = written(tmp_path)
+    flip_byte(tmp_path / "model.safetensors", 0)
+    (tmp_path / "extra").write_bytes(b"x")
+    assert problems(tmp_path, manifest, ("config.json",)) == []  # what a config check reads
+    flip_byte(tmp_path / "config.json", 3)
+    [found] = problems(tmp_path, manifest, ("config.json",))
+    assert found.startswith("config.json has sha256")
+    (tmp_path / "config.json").unlink()
+    assert problems(tmp_path, manifest, ("config.json",)) == ["config.json is missing"]
+
+
 def test_size_problems_name_each_file_gone_resized_or_not_listed_in_name_order():
     listed = {"a": {"size": 1}, "b": {"size": 2}, "c": {"size": 3}}
     assert size_problems(listed, {"a": 1, "b": 2, "c": 3}) == []

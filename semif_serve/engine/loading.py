@@ -196,18 +196,20 @@ def weights_unchanged(source: str, revision: str) -> bool:
 # --- files that change while they are read ---------------------------------------------------
 
 
-def check_folder_manifest(source: str, located: Located) -> None:
+def check_folder_manifest(
+    source: str, located: Located, names: tuple[str, ...] | None = None
+) -> None:
     """A local folder that carries a semif-serve manifest (a converted snapshot copied there) is
     checked against it, file by file; a difference, or a damaged manifest, is a ModelLoadError
     naming the files. A folder without one, or with an older semif-serve's marker (no manifest:
     one warning line), cannot be checked bit for bit (the built-in model's snapshot is checked,
-    and converted again, by `builtin.snapshot`)."""
+    and converted again, by `builtin.snapshot`). `names`: only those files (`problems`)."""
     if source.startswith(builtin.PREFIX) or not isinstance(located.name, Path):
         return
     folder = located.name
     try:
         manifest = snapshot_manifest.read(folder)
-        found = [] if manifest is None else snapshot_manifest.problems(folder, manifest)
+        found = [] if manifest is None else snapshot_manifest.problems(folder, manifest, names)
     except snapshot_manifest.OlderMarker:
         log.warning(
             "model folder %s holds an older semif-serve's %s, no manifest: loaded unchecked",
@@ -283,7 +285,7 @@ def inspect_source(
     )
     if located.folder is None:
         return None
-    check_folder_manifest(source, located)  # before its config is read: a damaged file is named
+    check_folder_manifest(source, located, builtin.CONFIG)  # the config, before it is read
     try:
         config = _read_config(located)
     except (OSError, ValueError, KeyError) as error:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -130,11 +131,17 @@ def size_problems(listed: dict[str, dict[str, Any]], present: dict[str, int]) ->
     return problems
 
 
-def problems(folder: Path, manifest: dict[str, Any]) -> list[str]:
-    """Every way `folder` differs from `manifest` (empty: it is what was written). Sizes are
-    compared first; only files of the right size are hashed."""
+def problems(
+    folder: Path, manifest: dict[str, Any], names: Iterable[str] | None = None
+) -> list[str]:
+    """Every way `folder` differs from `manifest` (empty: it is what was written); `names`:
+    only those files (what a check that reads no weights reads, the config, before it reads
+    it). Sizes are compared first; only files of the right size are hashed."""
     listed = manifest["files"]
     present = {name: (folder / name).stat().st_size for name in listed_files(folder)}
+    if names is not None:
+        listed = {name: entry for name, entry in listed.items() if name in names}
+        present = {name: size for name, size in present.items() if name in names}
     found = size_problems(listed, present)
     for name in sorted(set(listed) & set(present)):
         if present[name] == listed[name]["size"]:
