@@ -75,6 +75,7 @@ def test_weights_changed_on_disk_after_the_load_change_nothing_served(tmp_path):
         handle.write(bytes(size - size // 2))
     now = loaded.model.state_dict()
     assert [name for name in served if not torch.equal(served[name], now[name])] == []
+    assert all(tensor.untyped_storage().resizable() for tensor in now.values())  # its own
     embeddings = loaded.model.get_input_embeddings().weight
     assert embeddings is loaded.model.get_output_embeddings().weight or not (
         loaded.model.config.tie_word_embeddings

@@ -99,14 +99,16 @@ def load_model(
 
 
 def held_privately(model: Any) -> None:
-    """Copy every CPU weight into the process's own memory, once its files were checked:
-    transformers maps a local safetensors file into memory, so a weights file changed on disk
-    after the load would change what the server answers, under the revision it verified (and a
-    truncated one would kill the worker with SIGBUS). One pass over the weights; tied weights
-    stay tied (they are one parameter)."""
+    """Copy into the process's own memory every CPU weight that is not there yet, once its
+    files were checked: transformers maps a local safetensors file into memory when the weights
+    load in the file's dtype, so a weights file changed on disk after the load would change what
+    the server answers, under the revision it verified (and a truncated one would kill the
+    worker with SIGBUS). Such a tensor's storage is not resizable (a file mapping, a borrowed
+    buffer); weights converted to another dtype at load are the process's own already and cost
+    nothing here. Tied weights stay tied (they are one parameter)."""
     with torch.no_grad():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
-            if tensor.device.type == "cpu":
+            if tensor.device.type == "cpu" and not tensor.untyped_storage().resizable():
                 tensor.data = tensor.data.clone()
 
 
