@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semif_serve.apis import decisions, mapping, systemone
+from semif_serve.apis.fields import Field, refused
 from semif_serve.apis.mapping import NO, YES, Mapped, Scored
 from semif_serve.errors import (
     InsufficientMemory,
@@ -36,7 +37,7 @@ from semif_serve.errors import (
     Unauthorized,
 )
 from semif_serve.http.environ import CLIENT_GONE_KEY
-from semif_serve.http.errors import classify, openai_fields
+from semif_serve.http.errors import classify, hosted_detail, openai_fields
 from semif_serve.runtime.admission import InFlightLimit
 from semif_serve.scoring.result import PROBABILITY_STATUS
 
@@ -2137,6 +2138,20 @@ def test_any_question_name_round_trips_into_param_and_loc(name):
     assert response.status_code == 422
     assert response.json["error"]["param"] == f"questions.{name}.instructions"
     assert response.json["detail"][0]["loc"] == ["body", "questions", name, "instructions"]
+
+
+def test_a_segment_that_utf8_cannot_encode_is_escaped_in_param_and_loc():
+    # The parsers refuse a key holding a lone surrogate before any field is named by it; a
+    # refusal naming one anyway still renders (`envelope` encodes every reply).
+    error = refused(Field("questions", "\ud800", "instructions"), "must not be empty")
+    assert openai_fields(422, str(error), error)["param"] == "questions.\\ud800.instructions"
+    assert hosted_detail(422, "invalid_request", str(error), error) == [
+        {
+            "loc": ["body", "questions", "\\ud800", "instructions"],
+            "msg": "must not be empty",
+            "type": "invalid_request",
+        }
+    ]
 
 
 @pytest.mark.parametrize("label", ODD_NAMES)

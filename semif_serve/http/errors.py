@@ -145,7 +145,7 @@ def hosted_detail(status: int, code: str, message: str, error: Exception) -> Any
     type and message."""
     message = encodable(message)
     if status != 422:
-        return {"error_type": openai_fields(status, message, error)["type"], "message": message}
+        return {"error_type": error_type(status), "message": message}
     path: list[str | int] = ["body"]
     field = named_field(message, error)
     if field is not None:
@@ -156,9 +156,13 @@ def hosted_detail(status: int, code: str, message: str, error: Exception) -> Any
 
 def openai_fields(status: int, message: str, error: Exception) -> dict[str, str | None]:
     """`type` by status, and `param`: the field an invalid request names (`named_field`)."""
-    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     field = named_field(message, error)
-    return {"type": kind, "param": None if field is None else encodable(field)}
+    return {"type": error_type(status), "param": None if field is None else encodable(field)}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for a status."""
+    return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 def encodable(text: str) -> str:
