@@ -69,6 +69,12 @@ class ServerBusy(Overloaded):
     more work than its timeout allows → 429."""
 
 
+class ConfigurationChanged(ServeError):
+    """A request of several engine calls found its model reconfigured (a `PUT` changed its
+    weights, dtype or max_tokens) after its first call: it fails whole, before any answer is
+    returned, never answered by two configurations → 503; a retry runs under the new one."""
+
+
 class ServerStarting(ServeError):
     """The worker's startup models are still loading; every route but /health → 503."""
 

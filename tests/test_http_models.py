@@ -10,6 +10,7 @@ from runtime_fixtures import Background, Factory, Held, spec, wait_until
 
 from semif_serve.engine.boot import check_source as check
 from semif_serve.http import create_app
+from semif_serve.http.environ import DRAINING_KEY
 from semif_serve.runtime.admission import MANAGEMENT_IN_FLIGHT
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.service import DecisionService
@@ -317,6 +318,26 @@ def test_health_is_503_while_the_default_model_cannot_load_and_no_caller_sees_a_
     assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
     assert api.simulate_get("/health").json["status"] == "ok"
     assert "reason" not in api.simulate_get("/health").json
+
+
+@pytest.mark.parametrize("load_failed", [False, True])
+def test_health_is_503_draining_once_the_worker_began_its_shutdown(load_failed):
+    """The worker marks the requests it answers while it shuts down (DRAINING_KEY): a probe
+    among them must not read "ok" (the real drain: test_server.py)."""
+    api, rt, factory = client()
+    if load_failed:  # draining says more than the failed load: the server is going away
+        api.simulate_post("/v1/models/a/unload", headers=ADMIN_AUTH)
+        factory.failing["test:a"] = OSError("gone")
+        api.simulate_post("/decide", json=row(), headers=AUTH)
+    for method in (api.simulate_get, api.simulate_head):
+        health = method("/health", extras={DRAINING_KEY: True})
+        assert health.status_code == 503
+    health = api.simulate_get("/health", extras={DRAINING_KEY: True}).json
+    assert (health["status"], health["reason"]) == ("unavailable", "draining")
+    assert health["model"]["id"] == "a" and "max_tokens" in health
+    assert api.simulate_get("/health", extras={DRAINING_KEY: False}).status_code == (
+        503 if load_failed else 200
+    )
 
 
 @pytest.mark.parametrize(

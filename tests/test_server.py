@@ -162,6 +162,25 @@ def test_sigterm_refuses_new_connections_at_once_and_reports_requests_it_cuts_of
         ] == [("cut-1", "POST", "/decide", None)]
 
 
+def test_health_says_draining_once_sigterm_began_the_shutdown(tmp_path):
+    """Issue 43: a balancer probing a kept-alive connection during the drain read 200 "ok"
+    from a server about to stop; now 503 "draining", and the connection closes."""
+    with fake_server(tmp_path) as server, server.connect(timeout=WAIT_S) as sock:
+        probe = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+        sock.sendall(probe)
+        status, body = read_response(sock)
+        assert (status, body["status"], body.get("reason")) == (200, "ok", None)
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while status == 200:  # until the worker has been told (each reply keeps the connection)
+            assert time.monotonic() < signalled + WAIT_S, "never draining"
+            sock.sendall(probe)
+            status, body = read_response(sock)
+        assert (status, body["status"], body["reason"]) == (503, "unavailable", "draining")
+        assert sock.recv(1) == b""  # its last request: the worker closed the connection
+        assert server.process.wait(WAIT_S) == 0
+
+
 def test_unknown_routes_through_gunicorn_get_the_envelope(tmp_path):
     with fake_server(tmp_path) as server:
         status, body, headers = server.request(

@@ -8,7 +8,9 @@ SEMIF_HOSTED_MODEL_NAMES=0); a registered id always names itself. The reply's `m
 name asked for, as the hosted services echo their aliases; the model that answered is in the
 `x-semif-model` header (`id; revision="..."`), in each answer's `x_semif.model` and in the access
 log. Top-level fields the format does not name are ignored and listed in `x-semif-ignored-fields`.
-The state may be empty (`""`, `{}`, `[]`). A System One request with image assets
+A request's calls all run under the model configuration its first one ran under: a `PUT` that
+changes it between two of them fails the request whole (503 `configuration_changed`). The
+state may be empty (`""`, `{}`, `[]`). A System One request with image assets
 (multipart/form-data) is a 422: this server runs text models.
 """
 
@@ -37,6 +39,7 @@ from semif_serve.http.body import read_body, read_json_object
 from semif_serve.http.encoding import coding
 from semif_serve.http.environ import CLIENT_GONE_KEY
 from semif_serve.http.resources import accepted_state_key, patience_of, send_json, session_of
+from semif_serve.runtime.pinning import Pinned
 from semif_serve.runtime.service import DecisionService
 
 MODEL_HEADER = "x-semif-model"
@@ -74,6 +77,7 @@ class _Format:
         req.context.model = model
         gone = req.env.get(CLIENT_GONE_KEY)
         patience = patience_of(req)
+        pinned = Pinned()  # every call answered by the configuration the first one ran under
 
         def decide_shared(body: dict[str, Any]) -> dict[str, Any]:
             body = {**body, "model": model}
@@ -85,6 +89,7 @@ class _Format:
                 empty_state=True,
                 patience_s=patience,
                 arrived=arrived,
+                pinned=pinned,
             ).body
 
         scored = answered(

@@ -21,6 +21,7 @@ from semif_serve.errors import (
     BadManagementRequest,
     BadRequest,
     ClientGone,
+    ConfigurationChanged,
     Forbidden,
     IncompleteBody,
     InsufficientMemory,
@@ -53,6 +54,7 @@ STATUS_AND_CODE: dict[type[Exception], tuple[int, str]] = {
     ModelNotFound: (404, "model_not_found"),
     QueueTimedOut: (503, "server_busy"),
     ServerStarting: (503, "server_busy"),
+    ConfigurationChanged: (503, "configuration_changed"),
     InsufficientMemory: (503, "insufficient_memory"),
     Unauthorized: (401, "unauthorized"),
     RequestTooLarge: (413, "request_too_large"),
@@ -85,6 +87,7 @@ def retry_headers(seconds: float) -> dict[str, str]:
 # (`Overloaded`) says the model's estimated wait instead, within [1 s, 60 s] (`runtime.pace`).
 RETRY_AFTER_S = {
     ServerStarting: 1,
+    ConfigurationChanged: 1,
     InsufficientMemory: 5,
     OutOfMemory: 1,
     ModelLoadFailed: 5,

@@ -18,7 +18,7 @@ import falcon
 
 from semif_serve.errors import ScoringFailed
 from semif_serve.http.body import read_json_object
-from semif_serve.http.environ import CLIENT_GONE_KEY
+from semif_serve.http.environ import CLIENT_GONE_KEY, DRAINING_KEY
 from semif_serve.http.metrics import CONTENT_TYPE, Metrics
 from semif_serve.runtime.service import DecisionService, Outcome
 from semif_serve.scoring.rows import InvalidRow, parse_state
@@ -95,14 +95,19 @@ def public_health(health: dict[str, Any], model_id: str) -> dict[str, Any]:
 
 class Health:
     """GET and HEAD /health, no token; load balancers probe with either (`public_health`): 200
-    while the default model serves or can load on demand, 503 while it cannot (`reason`)."""
+    while the default model serves or can load on demand, 503 while it cannot (`reason`:
+    `model_load_failed`) and once the server has begun to shut down (`draining`: the worker
+    answers its open connections' last requests, accepting no new ones)."""
 
     def __init__(self, service: DecisionService):
         self._service = service
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         service = self._service
-        health = public_health(service.health(), service.runtime.default_id)
+        health = service.health()
+        if req.env.get(DRAINING_KEY):
+            health.update(status="unavailable", reason="draining")
+        health = public_health(health, service.runtime.default_id)
         if health["status"] != "ok":
             resp.status = falcon.HTTP_503
         send_json(resp, health)

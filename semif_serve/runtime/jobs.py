@@ -5,8 +5,9 @@ A request that may be batched (SEMIF_MAX_BATCH_ROWS > 1, its input encoded befor
 hands its scheduler a `Job`. Whichever request leads takes it into a batch (the scheduler
 decides who and which); from then on its request waits for `done` (`awaited`: or until its
 caller leaves), and every way a batch can end finishes every job in it. Before the engine
-call each job is looked at once more: a job whose caller left is dropped (499), one encoded by
-an engine since replaced is encoded again.
+call each job is looked at once more: a job whose request pinned another configuration than
+the model's is finished unscored (`pinned_to`, 503), one whose caller left is dropped (499),
+one encoded by an engine since replaced is encoded again.
 When models share one device, the batch waits for its turn there within its jobs' deadlines,
 dropping those that expire (503) or whose caller leaves (499) while it waits.
 """
@@ -19,8 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from semif_serve.errors import ClientGone, QueueTimedOut
+from semif_serve.errors import ClientGone, ConfigurationChanged, QueueTimedOut
+from semif_serve.runtime.pinning import Pinned
 from semif_serve.runtime.selection import Cost
+from semif_serve.runtime.specs import ModelSpec
 from semif_serve.runtime.waiting import GONE_POLL_S, NEVER, Deadline, Gone, WaiterGone
 
 STOPPED = "the batch stopped before this request"
@@ -38,6 +41,7 @@ class Job:
     prepare: Callable[[Any], Any]  # encodes the request for another engine (a reloaded model)
     gone: Callable[[], bool] | None = None
     deadline: Deadline = NEVER
+    pinned: Pinned | None = None  # the configuration its request's earlier calls ran under
     submitted: float = field(default_factory=time.monotonic)  # a batch's wait counts from it
     taken: bool = False  # by a batch (the scheduler sets it, under its lock)
     left_while_scoring: bool = False  # scored, its caller gone before it was handed the result
@@ -98,6 +102,21 @@ def run_jobs(
         return live
     finally:
         device.give()
+
+
+def pinned_to(spec: ModelSpec, jobs: list[Job]) -> list[Job]:
+    """The jobs that may run under `spec` (the model's, held by their batch): each whose
+    request pinned another configuration is finished with its ConfigurationChanged."""
+    kept = []
+    for job in jobs:
+        if job.pinned is not None:
+            try:
+                job.pinned.check(spec)
+            except ConfigurationChanged as error:
+                job.finish(error)
+                continue
+        kept.append(job)
+    return kept
 
 
 def forwards(jobs: list[Job]) -> list[Any]:

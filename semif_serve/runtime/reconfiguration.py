@@ -38,7 +38,7 @@ class Reconfiguration:
         if (
             entry.capacity is not None
             and spec.slots > entry.capacity
-            and _capacity_inputs(spec) == _capacity_inputs(entry.spec)
+            and spec.configuration() == entry.spec.configuration()
         ):
             raise BadManagementRequest(
                 f"{spec.id}.slots: {spec.slots} is more than the {entry.capacity} this model "
@@ -56,7 +56,7 @@ class Reconfiguration:
         change and the engine can serve them (`capacity_at`): no reload, the model's stored
         prefixes kept. False: only a new engine can apply `spec`."""
         engine = entry.engine
-        if entry.state != READY or _weights(spec) != _weights(entry.spec):
+        if entry.state != READY or spec.weights() != entry.spec.weights():
             return False
         capacity_at = getattr(engine, "capacity_at", None)
         capacity = None if capacity_at is None else capacity_at(spec.max_tokens)
@@ -103,13 +103,3 @@ class Reconfiguration:
         entry.record_load_error(message)
         raise type(error)(message) from None
 
-
-def _capacity_inputs(spec: ModelSpec) -> tuple:
-    """What a model's slot capacity depends on: with any of it changed, only the new engine
-    can say what it supports (a lower max_tokens supports more slots)."""
-    return (*_weights(spec), spec.max_tokens)
-
-
-def _weights(spec: ModelSpec) -> tuple:
-    """Which weights a spec loads, and how: a change to any of it needs a new engine."""
-    return (spec.source, spec.revision, spec.dtype, spec.device)

@@ -28,7 +28,16 @@ from semif_serve.errors import (
     QueueTimedOut,
     ServerBusy,
 )
-from semif_serve.runtime.jobs import LEFT, Job, Waiter, abandoned, forwards, run_jobs
+from semif_serve.runtime.jobs import (
+    LEFT,
+    Job,
+    Waiter,
+    abandoned,
+    forwards,
+    pinned_to,
+    run_jobs,
+)
+from semif_serve.runtime.pinning import Pinned
 from semif_serve.runtime.reconfiguration import Reconfiguration
 from semif_serve.runtime.residency import Residency
 from semif_serve.runtime.scheduler import LOADING, READY, UNLOADED, ModelScheduler, Withdrawn
@@ -132,19 +141,23 @@ class Runtime(Reconfiguration, Residency):
         gone: Callable[[], bool] | None = None,
         tokens: int = 0,
         arrived: float | None = None,
+        pinned: Pinned | None = None,
     ) -> Iterator[Any]:
         """The model's engine for one request, admitted in FIFO order, then given the device's
         turn when models share one, all within one deadline (every wait ends at it: 503; a
         deadline the estimated wait would pass is refused at once: 429); a request whose `gone`
         check says its caller left meanwhile, or by the time it holds both, leaves unscored
         (499). `tokens`: the request's work when known (the model's pace counts it);
-        `arrived`: when the request arrived (`deadline`)."""
+        `arrived`: when the request arrived (`deadline`); `pinned`: the configuration its
+        earlier calls ran under (checked once it holds the model: 503 if changed)."""
         entry = self.entry(model_id)
         deadline = self.deadline(timeout_s, arrived)
         with _queue_errors(entry, self._wait_for(entry)):
             engine = entry.lease(deadline, self._load_requested, gone, tokens)
         served = False
         try:
+            if pinned is not None:
+                pinned.check(entry.spec)
             with _queue_errors(entry, self._wait_for(entry)), self._device_turn(deadline, gone):
                 if gone is not None and gone():  # it left as its wait ended: never scored
                     entry.count_abandoned("queued")
@@ -161,7 +174,8 @@ class Runtime(Reconfiguration, Residency):
         self, model_id: str | None, timeout_s: float | None, job: Job, arrived: float | None = None
     ) -> Any:
         """`job`'s outcome, scored with the model's other queued requests in one engine call
-        (`ModelScheduler.serve`), within the request's deadline as `lease` is."""
+        (`ModelScheduler.serve`), within the request's deadline as `lease` is; a job whose
+        request pinned another configuration (`Job.pinned`) is finished unscored (503)."""
         entry = self.entry(model_id)
         job.deadline = self.deadline(timeout_s, arrived)
         model = entry.spec.id
@@ -170,7 +184,7 @@ class Runtime(Reconfiguration, Residency):
             entry.call_started(sum(job.cost.tokens for job in live), len(live))
 
         def run(engine: Any, jobs: list[Job]) -> None:
-            ran = run_jobs(engine, jobs, self._device, started)
+            ran = run_jobs(engine, pinned_to(entry.spec, jobs), self._device, started)
             before, during = abandoned(jobs)
             entry.count_abandoned("queued", before)
             entry.count_abandoned("scoring", during)

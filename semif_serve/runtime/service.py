@@ -26,6 +26,7 @@ from semif_serve.decisions import (
 )
 from semif_serve.errors import InvalidRequest, ScoringFailed, same_failure
 from semif_serve.runtime.jobs import Job
+from semif_serve.runtime.pinning import Pinned
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.selection import cost_of
 from semif_serve.runtime.specs import requested_model
@@ -142,11 +143,13 @@ class DecisionService:
         empty_state: bool = False,
         patience_s: float | None = None,
         arrived: float | None = None,
+        pinned: Pinned | None = None,
     ) -> Outcome:
         """/decide/shared (and the ecosystem routes' calls: each of a request's calls passes
-        the request's `arrived`, so all wait within its one deadline); `session` and
-        `patience_s` as for `decide`; `arrived`: when the request arrived (`time.monotonic`;
-        default now), from which its one deadline counts;
+        the request's `arrived`, so all wait within its one deadline, and its `pinned`, so all
+        run under one configuration); `session` and `patience_s` as for `decide`; `arrived`:
+        when the request arrived (`time.monotonic`; default now), from which its one deadline
+        counts; `pinned`: the configuration its first call ran under (`pinning.Pinned`);
         `breakpoints`: where the caller marked reusable ends of the state (`Row.breakpoints`);
         `empty_state`: an empty state is allowed (the ecosystem formats allow one)."""
         _check_keys(body, SHARED_KEYS, "body")
@@ -172,7 +175,9 @@ class DecisionService:
         _check_unique_ids(decisions)
         route = _routing(body, patience_s, arrived)
         rows = [row for decision in decisions for row in decision.rows]
-        (results, timing), batch = self._scored(route, SHARED, rows, client_gone, decisions)
+        (results, timing), batch = self._scored(
+            route, SHARED, rows, client_gone, decisions, pinned
+        )
 
         def reply() -> dict[str, Any]:
             built = _assemble(decisions, results)
@@ -191,6 +196,7 @@ class DecisionService:
         rows: Any,
         client_gone: ClientCheck | None,
         decisions: list[_Decision],
+        pinned: Pinned | None = None,
     ) -> Any:
         """(the engine call's outcome, the batch it ran in or None). Encode the rows with the
         loaded model's tokenizer before queueing (every limit checked without holding a slot or
@@ -199,10 +205,19 @@ class DecisionService:
         caller has gone meanwhile (checked while it waits and once more when it holds the
         model), run the engine call. A request that found its model unloaded (or replaced while
         it waited) is encoded once it holds it. A row the scorer refused (RowError) is a 422
-        naming its decision; any other failure is the engine's 500/503."""
+        naming its decision; any other failure is the engine's 500/503. A later call of a
+        request that `pinned` a configuration is refused only under that configuration: once
+        it holds the model and the pin has been checked (a refusal may come from limits a
+        `PUT` set since its first call: 503 `configuration_changed` then)."""
         model_id, timeout_s, arrived = route
         early = self._runtime.entry(model_id).engine
-        prepared = None if early is None else _refused_as_422(call.prepare, early, rows, decisions)
+        prepared = None
+        if early is not None:
+            try:
+                prepared = _refused_as_422(call.prepare, early, rows, decisions)
+            except InvalidRequest:
+                if pinned is None or pinned.configuration is None:
+                    raise
         if prepared is not None and self._settings.max_batch_rows > 1:
             job = Job(
                 item=prepared,
@@ -210,11 +225,13 @@ class DecisionService:
                 engine=early,
                 prepare=lambda engine: call.prepare(engine, rows),
                 gone=client_gone,
+                pinned=pinned,
             )
             scored = self._runtime.score_batched(model_id, timeout_s, job, arrived)
             return _unbatched(scored, decisions)
         tokens = 0 if prepared is None else cost_of(prepared).tokens
-        with self._runtime.lease(model_id, timeout_s, client_gone, tokens, arrived) as engine:
+        lease = self._runtime.lease(model_id, timeout_s, client_gone, tokens, arrived, pinned)
+        with lease as engine:
             if prepared is None or engine is not early:
                 prepared = _refused_as_422(call.prepare, engine, rows, decisions)
             return _refused_as_422(call.run, engine, prepared, decisions), None

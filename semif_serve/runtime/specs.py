@@ -65,6 +65,16 @@ class ModelSpec:
             "device": self.device,
         }
 
+    def weights(self) -> tuple:
+        """Which weights it loads, and how: a change to any of it needs a new engine."""
+        return (self.source, self.revision, self.dtype, self.device)
+
+    def configuration(self) -> tuple:
+        """What its answers depend on: the weights and how they run, and the limit a row must
+        fit (what a request of several calls pins, `pinning.Pinned`). It is also what the
+        model's slot capacity depends on (a lower max_tokens supports more slots)."""
+        return (*self.weights(), self.max_tokens)
+
 
 def default_spec(settings: Any) -> ModelSpec:
     """The single model of the contract: SEMIF_MODEL at SEMIF_REVISION, loaded at startup."""

@@ -21,7 +21,7 @@ from typing import Any
 from gunicorn.http import wsgi
 from gunicorn.workers.gthread import TConn
 
-from semif_serve.http.environ import CLIENT_GONE_KEY
+from semif_serve.http.environ import CLIENT_GONE_KEY, DRAINING_KEY
 from semif_serve.worker.sockets import (
     WIRE_SLACK_BYTES,
     DeadlineSocket,
@@ -78,8 +78,9 @@ class RequestHandling:
             resp, environ = wsgi.create(req, conn.reply, conn.client, conn.server, self.cfg)
             environ["wsgi.multithread"] = True
             environ[CLIENT_GONE_KEY] = partial(peer_gone, conn.sock)
-            if not self.alive:
+            if not self.alive:  # shutting down: this connection's last request
                 resp.force_close()
+                environ[DRAINING_KEY] = True
             respiter = self.wsgi(environ, partial(start_response, resp))
             try:
                 if not self.body_settled(conn):
