@@ -5,6 +5,7 @@ session's converted snapshot, never the snapshot itself; the marker and the file
 times are left as they were, so only the contents tell."""
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -14,7 +15,7 @@ from rows_factory import STATE
 from test_snapshot_manifest import flip_byte, zero_block
 
 from semif_serve.engine import builtin, snapshot_manifest
-from semif_serve.engine.loading import ModelLoadError, load_model
+from semif_serve.engine.loading import ModelLoadError, inspect_source, load_model
 from semif_serve.scoring import score
 
 pytestmark = pytest.mark.slow
@@ -142,3 +143,67 @@ def test_a_server_on_a_damaged_snapshot_converts_it_again_and_serves_the_right_n
     warnings = [line for line in log.splitlines() if "converting it again" in line]
     assert len(warnings) == 1 and said in warnings[0], log
     assert snapshot_manifest.problems(folder, snapshot_manifest.read(folder)) == []
+
+
+def cut_in_half(path):
+    data = path.read_bytes()
+    path.unlink()  # a link to the pristine file: the copy is written anew, never through it
+    path.write_bytes(data[: len(data) // 2])
+
+
+def only_the_marker(folder):
+    for path in folder.iterdir():
+        if path.name != snapshot_manifest.MARKER:
+            path.unlink()
+
+
+SMALL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+]
+DAMAGES = {
+    **{
+        f"{name} cut in half": (lambda folder, name=name: cut_in_half(folder / name), name)
+        for name in SMALL_FILES
+    },
+    "model.safetensors missing": (
+        lambda folder: (folder / "model.safetensors").unlink(),
+        "model.safetensors",
+    ),
+    "only the marker left": (only_the_marker, "config.json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_every_file_of_the_snapshot_damaged_passes_the_start_up_check_and_is_converted_again(
+    pristine, copies, monkeypatch, caplog, damage
+):
+    """Issue 43, finding 3, for each file the loader reads: the start-up check (which reads the
+    config) never trips over a damaged file before the manifest check; the load converts the
+    snapshot again (one warning naming the file) and the new one passes its manifest."""
+    cache, folder = copies, copies / "builtin" / "smollm2-135m" / pristine.name
+    folder.mkdir(parents=True)
+    for path in pristine.iterdir():  # hard links: no 538 MB copy per case
+        os.link(path, folder / path.name)
+    harm, named = DAMAGES[damage]
+    harm(folder)
+    # The start-up check raises nothing (before: a cut config exited 2): the load repairs it.
+    inspect_source(builtin.SMOLLM2, cache_dir=cache)
+    converted = []
+
+    def dequantise(gguf, work):
+        converted.append(gguf)
+        for name in snapshot_manifest.listed_files(pristine):
+            os.link(pristine / name, work / name)
+
+    monkeypatch.setattr(builtin, "_dequantise", dequantise)
+    with caplog.at_level(logging.WARNING, logger="semif_serve.engine.builtin"):
+        again, revision = builtin.snapshot(builtin.SMOLLM2, cache_dir=cache)
+    assert converted == [builtin.gguf_path()] and again == folder
+    (warning,) = caplog.records
+    assert "converting it again" in warning.getMessage() and named in warning.getMessage()
+    assert snapshot_manifest.problems(folder, snapshot_manifest.read(folder)) == []
+    assert revision == builtin.snapshot(builtin.SMOLLM2, cache_dir=cache, convert=False)[1]
