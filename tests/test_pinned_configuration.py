@@ -14,8 +14,10 @@ from runtime_fixtures import Background, Factory, spec, wait_until
 
 from semif_serve.errors import ConfigurationChanged, InvalidRequest
 from semif_serve.http import create_app
+from semif_serve.runtime.jobs import Job, pinned_to
 from semif_serve.runtime.pinning import Pinned
 from semif_serve.runtime.registry import Runtime
+from semif_serve.runtime.selection import Cost
 from semif_serve.runtime.service import DecisionService
 from semif_serve.scoring.rows import RowError
 
@@ -195,3 +197,25 @@ def test_a_later_call_over_the_pinned_limits_is_the_callers_422(max_batch_rows):
     error = call_after_a_first(max_batch_rows, 5000, {"keep_alive_s": 60})
     assert isinstance(error, InvalidRequest) and "over 4096 tokens" in str(error), error
     assert call_after_a_first(max_batch_rows, 2000, {"keep_alive_s": 60}) is None
+
+
+def test_a_batch_runs_every_job_but_those_pinned_to_another_configuration():
+    served, other = spec("a"), replace(spec("a"), dtype="bfloat16")
+
+    def job(pin_to):
+        pinned = None
+        if pin_to is not None:
+            pinned = Pinned()
+            pinned.check(pin_to)
+        return Job(item=None, cost=Cost(1, 1), engine=None, prepare=lambda e: None, pinned=pinned)
+
+    changed, kept, unpinned, changed_too = job(other), job(served), job(None), job(other)
+    assert pinned_to(served, [changed, kept, unpinned, changed_too]) == [kept, unpinned]
+    for dropped in (changed, changed_too):
+        assert dropped.done.is_set() and isinstance(dropped.outcome, ConfigurationChanged)
+        assert str(dropped.outcome) == (
+            "model 'a' was reconfigured while this request was being scored in several calls; "
+            "it was failed whole, before any answer, rather than answered by two "
+            "configurations: retry it"
+        )
+    assert not kept.done.is_set() and not unpinned.done.is_set()

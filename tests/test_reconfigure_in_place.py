@@ -68,7 +68,7 @@ def loaded(factory=None, **spec_fields):
 )
 def test_a_change_that_keeps_the_weights_applies_without_a_reload(change, caplog):
     rt, factory, engine = loaded()
-    with caplog.at_level(logging.INFO, logger="semif_serve.runtime.reconfiguration"):
+    with caplog.at_level(logging.INFO, logger="semif_serve.runtime.lifecycle"):
         status = rt.register("a", {**TABLE, **change})
     assert "model a reconfigured in place (its weights are unchanged)" in [
         record.getMessage() for record in caplog.records

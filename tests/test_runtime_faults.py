@@ -362,7 +362,7 @@ def test_a_lazy_reload_that_no_longer_fits_its_slots_is_a_load_failure_not_a_400
     Held(rt, "a").finish()
     rt.unload("a")
     factory.capacity = 2
-    with caplog.at_level(logging.WARNING, logger="semif_serve.runtime.registry"):
+    with caplog.at_level(logging.WARNING, logger="semif_serve.runtime.lifecycle"):
         failed = Held(rt, "a").finish().error
     assert [record.getMessage() for record in caplog.records] == [
         "model a cannot be loaded as registered: a.slots: 4 is more than the 2 this model supports"

@@ -1,12 +1,12 @@
-"""`Runtime`: the registry of models and the one owner of every lifecycle transition.
+"""`Runtime`: the registry of models (id → its `ModelScheduler`) and the calls that reach them.
 
-Requests ask it for a lease on a model (`lease`); management asks it to register, reconfigure
-or unload. Residency (which models stay loaded: eviction, the memory budget, idle retirement)
-is its mixin `Residency` (residency.py). The registry lock only guards the id → entry map and
-is never held while anything waits, loads or tears down. A reconfigure never costs the serving
-model without need: its source is checked first (400), a change that keeps the weights applies
-in place, and new weights load beside the old ones when memory allows (its mixin
-`Reconfiguration`, reconfiguration.py).
+Requests ask it for a lease on a model (`lease`) or to score a batched job (`score_batched`);
+management asks it to register, reconfigure or unload, each a manager in the model's own queue
+that records the change (`management`) while it still holds the model. Every transition of a
+model's engine is `lifecycle.Lifecycle`'s (load, reconfigure, unload); which models stay loaded
+is `residency.Residency`'s (eviction, the memory budget, idle retirement, run by this runtime's
+idle loop). The registry lock only guards the id → entry map and is never held while anything
+waits, loads or tears down.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from typing import Any
 from semif_serve.errors import (
     BadManagementRequest,
     ClientGone,
-    InsufficientMemory,
-    ModelLoadFailed,
     ModelNotFound,
     QueueTimedOut,
     ServerBusy,
@@ -37,10 +35,10 @@ from semif_serve.runtime.jobs import (
     pinned_to,
     run_jobs,
 )
+from semif_serve.runtime.lifecycle import Lifecycle
 from semif_serve.runtime.pinning import Pinned
-from semif_serve.runtime.reconfiguration import Reconfiguration
 from semif_serve.runtime.residency import Residency
-from semif_serve.runtime.scheduler import LOADING, READY, UNLOADED, ModelScheduler, Withdrawn
+from semif_serve.runtime.scheduler import UNLOADED, ModelScheduler, Withdrawn
 from semif_serve.runtime.selection import BatchLimits
 from semif_serve.runtime.specs import ModelSpec, SpecError, parse_spec
 from semif_serve.runtime.waiting import (
@@ -55,7 +53,7 @@ log = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 1.0
 
 
-class Runtime(Reconfiguration, Residency):
+class Runtime:
     def __init__(
         self,
         settings: Any,
@@ -97,6 +95,13 @@ class Runtime(Reconfiguration, Residency):
         # Told (model id, the forwards it ran: `scoring.inputs.Forward`) of each batched call.
         self.on_batch: Callable[[str, list[Any]], None] = lambda *batch: None
         self.on_event: Callable[[str, str], None] = lambda *event: self._early_events.append(event)
+        self._residency = Residency(settings, self._snapshot, clock)
+        # Through the attributes, read at each call: `listen` replaces `on_event`.
+        self._lifecycle = Lifecycle(
+            lambda spec: self._factory(spec),
+            self._residency,
+            lambda model_id, event: self.on_event(model_id, event),
+        )
 
     # -- startup and shutdown -------------------------------------------------------------------
 
@@ -105,7 +110,7 @@ class Runtime(Reconfiguration, Residency):
         (checked every `idle_interval_s`; None: no retirement thread, for tests)."""
         for entry in list(self._entries.values()):
             if entry.spec.load_on_startup:
-                entry.manage(self._load_alone)
+                entry.manage(self._lifecycle.load)
         if idle_interval_s is None:
             return
         self._idle_thread = threading.Thread(
@@ -128,7 +133,7 @@ class Runtime(Reconfiguration, Residency):
             self._idle_thread.join()
         entries = self._snapshot()
         for entry in entries:
-            entry.manage(self._unload_alone)
+            entry.manage(self._lifecycle.unload)
         log.info("runtime closed: %d models unloaded", len(entries))
 
     # -- requests -------------------------------------------------------------------------------
@@ -153,7 +158,7 @@ class Runtime(Reconfiguration, Residency):
         entry = self.entry(model_id)
         deadline = self.deadline(timeout_s, arrived)
         with _queue_errors(entry, self._wait_for(entry)):
-            engine = entry.lease(deadline, self._load_requested, gone, tokens)
+            engine = entry.lease(deadline, self._lifecycle.load_requested, gone, tokens)
         served = False
         try:
             if pinned is not None:
@@ -194,7 +199,7 @@ class Runtime(Reconfiguration, Residency):
                 log.exception("recording a batch of model %s failed", model)
 
         with _queue_errors(entry, self._wait_for(entry)):
-            return entry.serve(job, self._load_requested, run)
+            return entry.serve(job, self._lifecycle.load_requested, run)
 
     def _wait_for(self, entry: ModelScheduler) -> Callable[[], float | None]:
         """What a request to `entry` would wait: its own model's estimate, or every model's
@@ -305,7 +310,7 @@ class Runtime(Reconfiguration, Residency):
         model whose load fails is withdrawn: no longer listed, and whoever queued for it meanwhile
         is told it is not registered (404), as a server restarted from the record would say."""
         try:
-            self._reconfigure(entry, spec, estimate)
+            self._lifecycle.reconfigure(entry, spec, estimate)
         except BaseException:
             if new:
                 self._withdraw(entry)
@@ -331,7 +336,7 @@ class Runtime(Reconfiguration, Residency):
         """Unload `entry` (held alone), then record that, still holding it: also when its
         engine's close failed, since the model is unloaded all the same."""
         try:
-            self._unload_alone(entry)
+            self._lifecycle.unload(entry)
         finally:
             if record and self.management is not None and entry.state == UNLOADED:
                 self.management.unloaded([entry.spec.id])
@@ -385,95 +390,15 @@ class Runtime(Reconfiguration, Residency):
         except QueueTimeout as error:
             raise QueueTimedOut(str(error)) from None
 
-    # -- transitions (the caller holds the model alone, or is its admitted loader) -------------
+    # -- residency ------------------------------------------------------------------------------
 
-    def _load_alone(self, entry: ModelScheduler, spec: ModelSpec | None = None) -> None:
-        if entry.state == READY:
-            return
-        entry.set_state(LOADING)
-        try:
-            self._load_admitted(entry, spec)
-        except BaseException:
-            entry.abort_load()
-            raise
+    def _retire_idle_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.retire_idle()
 
-    def _load_requested(self, entry: ModelScheduler) -> None:
-        """A request's lazy load of the registered spec (`_load_admitted`). One that no longer
-        loads as registered (its `slots` above what the device takes today, more memory in
-        use) is the model's load failure (503, saying why, logged), never a management 400
-        answered to a scoring call; its registration is unchanged."""
-        try:
-            self._load_admitted(entry)
-        except BadManagementRequest as error:
-            log.warning("model %s cannot be loaded as registered: %s", entry.spec.id, str(error))
-            raise ModelLoadFailed(
-                f"model {entry.spec.id!r} cannot be loaded as registered: {error}"
-            ) from None
-
-    def _load_admitted(self, entry: ModelScheduler, spec: ModelSpec | None = None) -> None:
-        """Build `spec`'s engine (default: the registered spec) privately, then publish it whole."""
-        spec = spec or entry.spec
-        engine, capacity = self._build(entry, spec)
-        self._publish(entry, engine, capacity, spec)
-        self.on_event(spec.id, "load")
-
-    def _build(self, entry: ModelScheduler, spec: ModelSpec) -> tuple[Any, int | None]:
-        """Make room, build `spec`'s engine (the factory warms it up), check that it fits the
-        memory budget and serves `spec.slots`; nothing is published. InsufficientMemory and
-        BadManagementRequest pass as they are, any other failure is ModelLoadFailed (503); each
-        is recorded as the model's last load error."""
-        try:
-            self._make_room(entry)
-            engine = self._built(spec)
-            try:
-                self._fit_in_memory_budget(entry, engine)
-                capacity = getattr(engine, "max_parallel_slots", None)
-                if capacity is not None and spec.slots > capacity:
-                    raise BadManagementRequest(
-                        f"{spec.id}.slots: {spec.slots} is more than the {capacity} this "
-                        "model supports"
-                    )
-            except BaseException:
-                self._teardown(engine)  # never published, so nobody else would close it
-                raise
-        except Exception as error:
-            entry.record_load_error(str(error))
-            raise
-        return engine, capacity
-
-    def _built(self, spec: ModelSpec) -> Any:
-        try:
-            return self._factory(spec)
-        except Exception as error:
-            self.on_event(spec.id, "load_failed")
-            if isinstance(error, (InsufficientMemory, BadManagementRequest)):
-                raise
-            log.error("loading model %s failed: %s", spec.id, str(error))  # no reference kept
-            raise ModelLoadFailed(
-                f"loading model {spec.id!r} failed: {error}",
-                public=f"loading model {spec.id!r} failed ({type(error).__name__}); its "
-                "last_load_error in GET /v1/models and the server's log say why",
-            ) from None
-
-    def _publish(self, entry: ModelScheduler, engine: Any, capacity: int | None, spec) -> None:
-        try:
-            entry.publish(engine, capacity, spec)
-        except BaseException:
-            self._teardown(engine)  # never published, so nobody else would close it
-            raise
-
-    def _unload_alone(self, entry: ModelScheduler, event: str = "unload") -> None:
-        engine = entry.retire()
-        try:
-            self._teardown(engine)
-        finally:
-            entry.set_state(UNLOADED)  # even after a failed close: requests may load it again
-        if engine is not None:
-            self.on_event(entry.spec.id, event)
-
-    def _teardown(self, engine: Any) -> None:
-        if engine is not None and hasattr(engine, "close"):
-            engine.close()
+    def retire_idle(self) -> list[str]:
+        """Unload every idle model past its keep_alive_s; returns their ids."""
+        return self._residency.retire_idle(self._lifecycle.unload)
 
     def _scheduler(self, spec: ModelSpec) -> ModelScheduler:
         return ModelScheduler(spec, self._clock, self._batching)
