@@ -158,27 +158,22 @@ def wait_until(predicate, timeout=WAIT_S):
         time.sleep(0.002)
 
 
-class WatchedCondition(threading.Condition):
-    """A condition that says when a thread starts waiting on it while `when()` holds. `when` is
-    asked under the condition's lock, so it sees the state the waiter has just judged not
-    ready: a negative check ("it does not go ahead yet") becomes a positive event."""
+def watch_waits(entry, when=lambda: True, condition="_cond") -> threading.Event:
+    """The returned event is set once a thread waits on a model's condition while `when()`
+    holds: `_cond`, what its requests, managers and loads wait on, or `_work`, what its
+    dispatcher waits on. `when` is asked under the condition's lock, so it sees the state the
+    waiter has just judged not ready: a negative check ("it does not go ahead yet") becomes a
+    positive event."""
+    watched, waited = getattr(entry, condition), threading.Event()
+    real_wait = watched.wait
 
-    def __init__(self, when=lambda: True):
-        super().__init__()
-        self.when = when
-        self.waited = threading.Event()
+    def wait(timeout=None):
+        if when():
+            waited.set()
+        return real_wait(timeout)
 
-    def wait(self, timeout=None):
-        if self.when():
-            self.waited.set()
-        return super().wait(timeout)
-
-
-def watch_waits(entry, when=lambda: True) -> threading.Event:
-    """Give a model's scheduler a WatchedCondition (while no thread waits on its old one); the
-    event is set once a thread waits on it while `when()` holds."""
-    entry._cond = WatchedCondition(when)
-    return entry._cond.waited
+    watched.wait = wait
+    return waited
 
 
 def bulk_unload_with_a_failed_close(rt, factory) -> None:

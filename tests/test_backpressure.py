@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from fakes import AUTH, WAIT_S, FakeScorer, row, scrape, settings
 from falcon import testing
-from runtime_fixtures import Background, Clock, Factory, runtime, spec
+from runtime_fixtures import Background, Clock, Factory, runtime, spec, wait_until
 
 from semif_serve.engine.engine import Engine
 from semif_serve.errors import ClientGone, InvalidRequest, QueueTimedOut, ServerBusy, same_failure
@@ -25,6 +25,7 @@ from semif_serve.http.errors import classify
 from semif_serve.http.resources import patience_of
 from semif_serve.runtime.admission import InFlightLimit
 from semif_serve.runtime.device import DeviceQueue
+from semif_serve.runtime.jobs import Waiter
 from semif_serve.runtime.pace import WINDOW_CALLS, Pace, Rate, retry_after_s
 from semif_serve.runtime.registry import Runtime
 from semif_serve.runtime.scheduler import ModelScheduler
@@ -39,19 +40,21 @@ NOUL = {"type": "noul", "instructions": "Is it open?"}
 PREDICATE = {"type": "predicate", "instructions": "Is it open?"}
 
 
-class QueueWatch(threading.Condition):
-    """A scheduler's condition that tells the test when its queue holds `n` waiters: each
-    waiter is in the queue before it first waits on the condition, and says so then."""
+class QueueWatch:
+    """Tells the test when a scheduler's queue holds `n` waiters: each waiter is in the queue
+    before it first waits on the scheduler's condition, and says so then."""
 
     def __init__(self, entry):
-        super().__init__()
         self._entry = entry
         self._seen = threading.Condition()
+        real_wait = entry._cond.wait
 
-    def wait(self, timeout=None):
-        with self._seen:
-            self._seen.notify_all()
-        return super().wait(timeout)
+        def wait(timeout=None):
+            with self._seen:
+                self._seen.notify_all()
+            return real_wait(timeout)
+
+        entry._cond.wait = wait
 
     def until(self, n):
         with self._seen:
@@ -59,8 +62,7 @@ class QueueWatch(threading.Condition):
 
 
 def watched(entry):
-    entry._cond = QueueWatch(entry)  # before any thread waits on the old one
-    return entry._cond
+    return QueueWatch(entry)
 
 
 def never_load(entry):
@@ -578,6 +580,7 @@ def test_a_served_request_is_timed_into_the_pace_with_the_tokens_it_was_encoded_
     )
     api = testing.TestClient(create_app(DecisionService(rt, config), config))
     assert api.simulate_post("/decide", json=row(), headers=AUTH).status_code == 200
+    wait_until(lambda: rt.entry("a")._active == 0)  # a batch is timed once it has replied
     rate = rt.entry("a").pace.rate
     assert (rate.seconds_for(7), rate.request_tokens()) == (2.0, 7.0)
 
@@ -612,9 +615,10 @@ def test_with_several_slots_the_queue_drains_on_all_of_them_and_the_longest_call
     serve_one(entry, clock, tokens=100, seconds=5.0)  # 0.05 s a token
     running = [(100, 1, clock.now), (40, 1, clock.now)]  # 5 s and 2 s of work, just started
     entry.pace._running = dict(enumerate(running))
-    queued = [SimpleNamespace(tokens=200, is_request=True)]  # 10 s of work on 2 slots
+    queued = [Waiter(tokens=200)]  # 10 s of work on 2 slots
     assert entry.pace.ahead(queued, slots=2) == pytest.approx(10.0 / 2 + 5.0)
     assert entry.pace.ahead(queued, 1) == pytest.approx(10.0 + 5.0)
+    entry._active = 2  # the two calls running hold both slots: the request stays queued
     entry._queue.append(queued[0])  # the scheduler counts its own slots
     assert entry.estimated_wait() == pytest.approx(10.0)
     assert entry.status()["queue"]["estimated_wait_s"] == pytest.approx(10.0)
@@ -626,6 +630,8 @@ def test_with_several_slots_the_queue_drains_on_all_of_them_and_the_longest_call
     leaving.set()
     with pytest.raises(WaiterGone):
         admitted.result()
+    with entry._cond:  # the request put in the queue by hand leaves it
+        entry._queue.clear()
 
 
 def test_a_leased_request_whose_caller_left_while_it_was_scored_is_counted():

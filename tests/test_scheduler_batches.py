@@ -114,6 +114,12 @@ def jobs_queued(rt, count: int, model="a") -> None:
     wait_until(lambda: queued_jobs(rt, model) == count)
 
 
+def batches_ended(rt, model="a") -> None:
+    """Wait until no batch holds the model: each one's bookkeeping (the metrics, its pace) is
+    done in its own thread once its requests have their outcomes."""
+    wait_until(lambda: rt.entry(model)._active == 0)
+
+
 def busy(rt, scorer) -> Submitted:
     """A first request that leads and is held inside the engine until `scorer.release`."""
     scorer.release.clear()
@@ -361,6 +367,7 @@ def test_metrics_count_the_forwards_that_ran_and_the_model_list_shows_the_limits
     scorer.release.set()
     for request in [first, *waiting]:
         request.result()
+    batches_ended(rt)
     assert scorer.batches == [["first"], ["b", "c"]]
     text = api.simulate_get("/metrics").text
     assert 'semif_batch_rows_count{model="a"} 2.0' in text  # one forward per batch
@@ -573,11 +580,11 @@ def test_a_caller_who_left_once_its_job_was_taken_is_dropped_with_its_own_messag
     scorer = BatchScorer()
     rt = batching_runtime(scorer)
     first = busy(rt, scorer)
-    taken = {}
-    leaving = Submitted(rt, "leaving", gone=lambda: "job" in taken and taken["job"].taken)
-    taken["job"] = leaving.job
+    queued = threading.Event()  # set once both have queued: from then on, out of the queue is taken
+    leaving = Submitted(rt, "leaving", gone=lambda: queued.is_set() and not queued_jobs(rt))
     staying = Submitted(rt, "staying")
     jobs_queued(rt, 2)
+    queued.set()
     scorer.release.set()
     first.result()
     outcome = leaving.result()
@@ -585,6 +592,7 @@ def test_a_caller_who_left_once_its_job_was_taken_is_dropped_with_its_own_messag
     assert str(outcome) == "the client closed its connection before its request was scored"
     assert staying.result().outcome["id"] == "staying"
     assert scorer.batches == [["first"], ["staying"]]
+    batches_ended(rt)
     assert rt.entry("a").status()["queue"]["abandoned_queued"] == 1
 
 
@@ -617,6 +625,7 @@ def test_a_caller_who_leaves_while_its_batch_runs_is_answered_at_once():
     gate.set()
     assert leader.result().outcome["id"] == "leader"
     assert scorer.batches == [["first"], ["leader", "leaving"]]
+    batches_ended(rt)
     assert rt.entry("a").status()["queue"]["abandoned_scoring"] == 1
 
 
@@ -796,7 +805,7 @@ def test_a_batch_whose_run_fails_still_ends_every_request_in_it(monkeypatch):
     scorer.release.set()
     first.result()
     outcomes = [request.result() for request in requests]  # bounded: nobody waits forever
-    assert isinstance(requests[0].error, RuntimeError)  # the leader, b, raised it
+    assert isinstance(outcomes[0], RuntimeError)  # the leader's, b's: its request raises it
     assert isinstance(outcomes[1], ScoringFailed)
     assert str(outcomes[1]) == "the batch stopped before this request"
     assert scorer.batches == [["first"]]
@@ -813,6 +822,7 @@ def test_a_metrics_hook_that_fails_is_logged_and_costs_no_request(caplog):
 
     rt.on_batch = broken
     assert Submitted(rt, "b").result().outcome["id"] == "b"
+    batches_ended(rt)
     assert [record.getMessage() for record in caplog.records] == [
         "recording a batch of model a failed"
     ]
@@ -840,17 +850,9 @@ def test_a_batch_waits_for_company_until_its_wait_or_the_earliest_deadline_it_ho
 def test_a_batch_that_is_not_full_keeps_waiting_while_only_batched_requests_queue():
     scorer = BatchScorer()
     rt = batching_runtime(scorer, max_batch_rows=3, batch_wait_ms=60_000)  # past any bound here
-    # The leader waits again once it has seen `first` queued: two of three rows, not full.
-    # (`first` waits on the same condition, for its turn: only the leader's waits count.)
-    lone = None
-    waits = watch_waits(
-        rt.entry("a"),
-        when=lambda: (
-            lone is not None
-            and threading.current_thread() is lone.thread
-            and queued_jobs(rt, "a") == 1
-        ),
-    )
+    # The dispatcher waits again once it has seen `first` queued: two of three rows, not full.
+    entry = rt.entry("a")
+    waits = watch_waits(entry, lambda: entry._gathering and queued_jobs(rt) == 1, "_work")
     lone = Submitted(rt, "lone")
     wait_until(lambda: rt.entry("a")._active == 1)
     first = Submitted(rt, "first")
@@ -890,6 +892,7 @@ def test_the_engine_is_told_whose_caller_left_while_the_batch_runs_and_it_is_cou
     assert staying.result().outcome["id"] == "staying"
     leaving.result()
     assert scorer.asked == {"leaving": True, "staying": False}
+    batches_ended(rt)
     [status] = rt.status()
     assert (status["queue"]["abandoned_scoring"], status["queue"]["abandoned_queued"]) == (1, 1)
 
@@ -913,6 +916,7 @@ def test_a_batch_is_timed_into_its_models_pace_as_it_runs():
     first.result()
     for submitted in waiting:
         submitted.result()
+    batches_ended(rt)
     assert scorer.batches == [["first"], ["b", "c"]]
     rate = rt.entry("a").pace.rate
     assert rate.seconds_for(21) == pytest.approx(4.0)  # 21 tokens in 4 s

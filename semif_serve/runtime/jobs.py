@@ -43,7 +43,6 @@ class Job:
     deadline: Deadline = NEVER
     pinned: Pinned | None = None  # the configuration its request's earlier calls ran under
     submitted: float = field(default_factory=time.monotonic)  # a batch's wait counts from it
-    taken: bool = False  # by a batch (the scheduler sets it, under its lock)
     left_while_scoring: bool = False  # scored, its caller gone before it was handed the result
     outcome: Any = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -176,18 +175,25 @@ def _scored(engine: Any, jobs: list[Job]) -> None:
         job.finish(outcome)
 
 
+RunBatch = Callable[[Any, list[Job]], None]  # (engine, jobs): the runtime's device turn and call
+Load = Callable[[Any], None]  # loads the model a `scheduler.ModelScheduler` holds (the runtime's)
+
+
 @dataclass(eq=False)
 class Waiter:
     """A place in a model's queue (`scheduler.ModelScheduler`): a request, with its job when it
-    may be batched, or a manager."""
+    may be batched, or a manager. Its model's dispatcher lets it in (`granted`); until then it
+    waits, within its deadline, and leaves when it ends."""
 
     deadline: Deadline = NEVER
     gone: Gone | None = None
     job: Job | None = None  # a batched request's work (a batch may take it)
     is_request: bool = True  # else a manager
     tokens: int = 0  # the request's work (`Cost.tokens`); 0: not known yet (not encoded)
+    load: Load | None = None  # a request's: how to load the model if it finds it unloaded
+    run: RunBatch | None = None  # a batched request's: how its batch runs, if it leads one
     queued: float = field(default_factory=time.monotonic)
     estimate_s: float | None = None  # its wait as estimated when it queued (`Pace`)
-
-
-RunBatch = Callable[[Any, list[Job]], None]  # (engine, jobs): the runtime's device turn and call
+    granted: bool = False  # let in: it holds a slot (or the model), or a batch took its job
+    refused: BaseException | None = None  # let in, but its model's load could not start
+    awaits_load: bool = False  # a batched request at the head, waiting for its model's load

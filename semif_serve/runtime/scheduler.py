@@ -1,28 +1,30 @@
 """`ModelScheduler`: one registered model, its lifecycle, and the one queue of everything that
-waits for it: the only place that decides who runs on the model, and when.
+waits for it, with the model's dispatcher: the one thread that decides who runs on it, and when.
 
 The model changes state (unloaded → loading → ready → reconfiguring/unloading → unloaded) only
-here, under one condition variable. Requests and managers wait in ONE queue, in the order they
-called in, and the scheduler decides each step:
-- the request at the head enters when no manager holds the model, a slot is free and no batch
-  is being gathered. A plain request leases the model (`lease`). A batched one (`serve`, its
-  input encoded as a `Job`) leads: it waits for company while its batch is not full (until
-  its own wait of SEMIF_BATCH_WAIT_MS ends, or just before the earliest deadline of the jobs it
-  would take, or until anyone it cannot take queues), then takes the oldest batched requests
-  queued behind it (`selection.select`, stopping at the first request it cannot take, so
-  nothing is overtaken) and runs them as one engine call; the requests it took leave the queue
-  and wait for their outcome. A leader takes its own job as it enters, so no job is left
-  queued for nobody.
-- a manager (register, reconfigure, unload) enters when it is at the head, nothing is admitted
-  and no load runs; it then holds the model alone. Nothing is admitted past a queued manager.
+here, under one lock. Requests and managers wait in ONE queue, in the order they called in; a
+caller only queues (`_queued`) and waits to be let in (`Waiter.granted`), within its one
+deadline (`waiting.Deadline`), leaving the queue when it ends or its caller leaves. The
+model's dispatcher (a thread of its own while anything is queued: `_dispatch`) decides each
+step, always for the head of the queue, so nobody is ever overtaken:
+- a request enters when no manager holds the model and a slot is free; if the model is
+  unloaded, the dispatcher starts its load, in a thread of its own, and every admitted request
+  then waits for it within its own deadline (the load goes on for the next ones); when it fails
+  they all get its error (a later request tries a new load). A plain request then leases the
+  model (`lease`) and runs its own engine call.
+- a batched request (`serve`, its input encoded as a `Job`) leads a batch: the dispatcher waits
+  for the model's load within the leader's deadline, then for company while the batch is not
+  full (until the leader's wait of SEMIF_BATCH_WAIT_MS ends, or just before the earliest
+  deadline of the jobs it would take, or until anyone it cannot take queues), takes the oldest
+  batched requests queued behind it (`selection.select`, stopping at the first it cannot take)
+  and hands the batch to a thread of its own, which runs it as one engine call and finishes
+  every job in it. Every batched request, leader or not, only waits for its job's outcome
+  (`jobs.awaited`: its thread is free as soon as its caller leaves).
+- a manager (register, reconfigure, unload) enters when nothing is admitted and no load runs;
+  it then holds the model alone. Nothing is admitted past a queued manager.
 - a new model whose registering load failed is withdrawn: everyone queued for it leaves
   (`Withdrawn`), and it never loads (the registry has already dropped it).
-- the first request to find the model unloaded starts its load, in a thread of its own; every
-  request then waits for the load within its own deadline (the load goes on for the next ones),
-  and when it fails they all get its error (a later request tries a new load).
-Every wait is bounded by the request's one deadline (`waiting.Deadline`) and ends when its
-caller leaves; a waiter leaves the queue on every path out of its wait, and the waiters behind
-it are woken. No lock here is held while a model loads, runs or is torn down.
+No lock here is held while a model loads, runs or is torn down.
 The scheduler also keeps the model's pace (`pace.Pace`, measured on its served engine calls):
 each request's estimated wait as it queues, and a request whose deadline that wait would pass
 is refused at once (`waiting.WouldTimeOut`) instead of waiting to be abandoned.
@@ -30,6 +32,7 @@ is refused at once (`waiting.WouldTimeOut`) instead of waiting to be abandoned.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -38,11 +41,26 @@ from datetime import UTC, datetime
 from typing import Any
 
 from semif_serve.errors import ScoringFailed, same_failure, told_to_callers
-from semif_serve.runtime.jobs import STOPPED, Job, RunBatch, Waiter, awaited
+from semif_serve.runtime.jobs import STOPPED, Job, Load, RunBatch, Waiter, awaited
 from semif_serve.runtime.pace import Pace
 from semif_serve.runtime.selection import BatchLimits, gather_ends, select
 from semif_serve.runtime.specs import ModelSpec
-from semif_serve.runtime.waiting import Deadline, Gone, deadline_after, wait_until
+from semif_serve.runtime.waiting import (
+    Deadline,
+    Gone,
+    deadline_after,
+    wait_until,
+)
+
+log = logging.getLogger(__name__)
+# How long a model's dispatcher waits for the next request once its queue is empty, before its
+# thread ends (the next request starts another).
+DISPATCHER_LINGER_S = 1.0
+# How long a request whose turn has come as it queues waits for the dispatcher to let it in
+# before its deadline and its caller count again (the dispatcher is at most choosing a batch,
+# within SEMIF_BATCH_WAIT_MS): a request that waits for no one is never refused for the time
+# the dispatcher takes to answer.
+TURN_GRACE_S = 1.0
 
 UNLOADED, LOADING, READY, RECONFIGURING, UNLOADING, WITHDRAWN = (
     "unloaded",
@@ -77,11 +95,14 @@ class ModelScheduler:
         self.last_load_error: dict[str, str] | None = None
         self.batching = batching or BatchLimits(1, 1, 0.0)
         self._clock = clock
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # what requests, managers and loads wait on
+        self._work = threading.Condition(lock)  # what the dispatcher waits on
         self._queue: deque[Waiter] = deque()
         self._active = 0
         self._managed = False
-        self._gathering = False  # a leader is choosing its batch: nobody else enters meanwhile
+        self._gathering = False  # the dispatcher is choosing a batch (waiting for company)
+        self._dispatcher: threading.Thread | None = None  # while anything is queued
         self._loader: threading.Thread | None = None  # a request's load, running on its own
         self._failed_load: BaseException | None = None  # why the last failed load failed (a copy)
         self.pace = Pace(clock)
@@ -157,188 +178,116 @@ class ModelScheduler:
     def lease(
         self,
         deadline: Deadline,
-        load: Callable[[ModelScheduler], None],
+        load: Load,
         gone: Gone | None = None,
         tokens: int = 0,
     ) -> Any:
         """Wait for a slot (FIFO), the model loaded if needed, and return its engine; `release`
         ends the lease. `gone`: asked while it waits; True makes it leave (`WaiterGone`).
         `tokens`: the request's work, when known (`selection.Cost.tokens`)."""
-        waiter = Waiter(deadline, gone, tokens=tokens)
+        waiter = Waiter(deadline, gone, tokens=tokens, load=load)
         with self._cond:
-            self._admit(waiter)  # a leader gathering its batch stops for it
-            self._enter(waiter, lambda: False)
+            self._admit(waiter)  # a batch gathering its company stops for it
+            self._wait_for_turn(waiter, lambda: False)
         try:
-            return self._ready_engine(load, deadline, gone)
+            if waiter.refused is not None:
+                raise waiter.refused
+            return self._loaded_engine(deadline, gone, self._cond)
         except BaseException:
             self.release()
             raise
 
-    def serve(self, job: Job, load: Callable[[ModelScheduler], None], run: RunBatch) -> Any:
+    def serve(self, job: Job, load: Load, run: RunBatch) -> Any:
         """`job`'s outcome (its `Batched` result, or the exception its request raises), run in
-        a batch: its own, when it enters first (`run` is then called with the engine and the
-        batch it chose), else the leader's that took it (ClientGone as soon as its caller
-        leaves: `jobs.awaited`). `QueueTimeout` or `WaiterGone` when it left the queue
-        untaken."""
-        waiter = Waiter(job.deadline, job.gone, job, tokens=job.cost.tokens)
+        a batch: its own, when it is at the head of the queue (`run` is then called, in a
+        thread of the dispatcher's, with the engine and the batch chosen), else the batch that
+        took it (ClientGone as soon as its caller leaves: `jobs.awaited`). `QueueTimeout` or
+        `WaiterGone` when it left the queue untaken (a batch is chosen only once the model is
+        loaded: a request waits for a load in the queue)."""
+        waiter = Waiter(job.deadline, job.gone, job, tokens=job.cost.tokens, load=load, run=run)
         with self._cond:
-            self._admit(waiter)  # a leader gathering its batch sees it
-            leads = not self._enter(waiter, lambda: job.taken)
-            if leads:
-                job.taken = True
-        if leads:
-            self._lead(job, load, run)  # it ran its own batch: the job is finished
-        return awaited(job)  # taken: its leader runs it, and every batch finishes every job
+            self._admit(waiter)  # a batch gathering its company sees it
+            self._wait_for_turn(waiter, job.done.is_set)
+        return awaited(job)  # taken: the batch finishes every job it took
 
     def release(self, served: bool = False) -> None:
-        """End a lease (or a batch leader's slot); `served`: its engine call ran to its end,
-        and its time counts in the model's pace."""
+        """End a lease (or a batch's slot); `served`: its engine call ran to its end, and its
+        time counts in the model's pace."""
         with self._cond:
             self._active -= 1
-            self._cond.notify_all()  # before the clock: if it fails, the next waiter still goes
+            self._changed()  # before the clock: if it fails, the next waiter still goes
             self.last_used = self._clock()
             self.pace.end_call(served)
 
     def _admit(self, waiter: Waiter) -> None:
-        """Queue a request (holding the condition) with its estimated wait, or refuse it at
-        once (`WouldTimeOut`) when that wait would pass its deadline."""
+        """Queue a request (holding the lock) with its estimated wait, or refuse it at once
+        (`WouldTimeOut`) when that wait would pass its deadline."""
         self.pace.admit(waiter, self._queue, self.spec.slots)
-        self._queue.append(waiter)
-        self._cond.notify_all()
+        self._queued(waiter)
 
-    def _enter(self, waiter: Waiter, served: Callable[[], bool]) -> bool:
-        """Wait (holding the condition) until `waiter` may enter, and hold a slot; or until
-        `served` (a batch took its job: True, no slot). Any other way out leaves the queue."""
+    def _wait_for_turn(
+        self, waiter: Waiter, ended: Callable[[], bool], timeout: float | None = None
+    ) -> None:
+        """Wait (holding the lock) until the dispatcher lets `waiter` in, or `ended` (its job was
+        finished before it was taken: its batch's own wait for the model ended). Any other way
+        out leaves the queue, handing back whatever a grant at that instant gave it. `timeout`:
+        a manager's (a request's deadline is its own)."""
+        what = f"model {self.spec.id!r}"
+
+        def let_in() -> bool:
+            return waiter.granted or ended() or self.state == WITHDRAWN
+
+        def its_turn() -> bool:  # the dispatcher is letting it in
+            return bool(self._queue) and self._queue[0] is waiter and self._may_enter(waiter)
+
         try:
-            wait_until(
-                self._cond,
-                lambda: served() or self._may_enter(waiter) or self.state == WITHDRAWN,
-                waiter.deadline,
-                waiter.gone,
-                f"model {self.spec.id!r}",
-            )
-            if not served() and self.state == WITHDRAWN:
+            deadline = waiter.deadline if timeout is None else deadline_after(timeout)
+            if its_turn():  # it waits for no one: its deadline and its caller count once it is in
+                self._cond.wait_for(lambda: let_in() or not its_turn(), TURN_GRACE_S)
+            wait_until(self._cond, let_in, deadline, waiter.gone, what)
+            if not waiter.granted and not ended():
                 raise Withdrawn(self.spec.id)
         except BaseException:
             self._leave(waiter)
             raise
-        if served():  # the batch that took it removed it from the queue (and timed its wait)
-            return True
-        self.pace.waited(waiter)
-        self._queue.popleft()
-        self._active += 1
-        self._cond.notify_all()  # the next request may take a spare slot
-        return False
 
-    def _may_enter(self, waiter: Waiter) -> bool:
-        return (
-            self._queue[0] is waiter
-            and not self._managed
-            and not self._gathering
-            and self._active < self.spec.slots
-            and self.state in (UNLOADED, LOADING, READY)
-        )
-
-    def _lead(self, job: Job, load: Callable[[ModelScheduler], None], run: RunBatch) -> None:
-        """Holding a slot, with its own job taken: get the engine, choose the batch, run it."""
-        try:
-            engine = self._ready_engine(load, job.deadline, job.gone)
-            batch = self._gather(job, engine.batch_tokens)
-        except BaseException:
-            self.release()
-            raise  # only its own job was taken, and its own request raises this
-        served = False
-        try:
-            run(engine, batch)
-            served = True
-        finally:  # whatever happened, no request waits for a job left unfinished
-            for taken in batch:
-                taken.finish(ScoringFailed(STOPPED))
-            self.release(served)
-
-    def _gather(self, leader: Job, tokens: Callable[[int, int], int]) -> list[Job]:
-        """The leader's batch: itself, then the oldest batched requests queued behind it, within
-        the limits. While the batch is not full and everyone queued could join it, it waits for
-        company until `selection.gather_ends` (its wait, or the earliest deadline it holds).
-        `tokens`: the engine's count of a forward's tokens (its shape buckets included)."""
-        limits = self.batching
-        with self._cond:
-            self._gathering = True
-            try:
-                while True:
-                    behind = self._companions()
-                    costs = [leader.cost, *(job.cost for job in behind)]
-                    count = select(costs, limits.max_rows, limits.max_tokens, tokens)
-                    chosen = [leader, *behind[: count - 1]]
-                    rows = sum(cost.rows for cost in costs[:count])
-                    full = count < len(costs) or rows >= limits.max_rows
-                    blocked = any(waiter.job is None for waiter in self._queue)
-                    deadlines = [job.deadline for job in chosen]
-                    ends = gather_ends(leader.submitted, limits.wait_s, deadlines)
-                    remaining = ends - time.monotonic()
-                    if full or blocked or remaining <= 0:
-                        break
-                    self._cond.wait(remaining)
-                for job in chosen[1:]:
-                    job.taken = True
-                for waiter in self._queue:
-                    if waiter.job is not None and waiter.job.taken:
-                        self.pace.waited(waiter)
-                self._queue = deque(w for w in self._queue if w.job is None or not w.job.taken)
-                return chosen
-            finally:
-                self._gathering = False
-                self._cond.notify_all()  # those taken leave the queue; the next may enter
-
-    def _companions(self) -> list[Job]:
-        """The batched requests at the head of the queue, up to the first it cannot take (a
-        manager, or a request leasing the model on its own), less those already past their
-        deadline (they are leaving)."""
-        jobs = []
-        for waiter in self._queue:
-            if waiter.job is None:
-                break
-            if not waiter.deadline.passed:
-                jobs.append(waiter.job)
-        return jobs
-
-    def _ready_engine(
-        self, load: Callable[[ModelScheduler], None], deadline: Deadline, gone: Gone | None
+    def _loaded_engine(
+        self, deadline: Deadline, gone: Gone | None, condition: threading.Condition
     ) -> Any:
-        """An admitted request's engine: the loaded one, or, after the load (started by the first
-        request to find the model unloaded, in a thread of its own), within its deadline and
-        while its caller stays. A failed load's error is every waiting request's."""
+        """An admitted request's engine: the loaded one, or, once the load the dispatcher started
+        ends, within its deadline and while its caller stays (waiting on `condition`: the
+        requests', or the dispatcher's for a batch). A failed load's error is every waiting
+        request's."""
         with self._cond:
-            if self.state == UNLOADED:
-                self._start_load(load)
             if self.state == LOADING:
                 wait_until(
-                    self._cond,
+                    condition,
                     lambda: self.state != LOADING,
                     deadline,
                     gone,
                     f"model {self.spec.id!r} (it was loading)",
                 )
-                # Only a failed load leaves LOADING for anything but READY while requests hold
-                # slots (managers wait for them), so the failure is the awaited load's.
-                if self.state != READY and self._failed_load is not None:
-                    raise told_to_callers(self._failed_load)
+            # Only a failed load leaves LOADING for anything but READY while requests hold
+            # slots (managers wait for them), so the failure is the awaited load's.
+            if self.state != READY and self._failed_load is not None:
+                raise told_to_callers(self._failed_load)
             return self.engine
 
-    def _start_load(self, load: Callable[[ModelScheduler], None]) -> None:
-        """Load the model in a thread of its own (holding the condition): the requests waiting
-        for it each wait within their own deadline, and the load serves those that come next."""
-        self.state = LOADING
+    def _start_load(self, load: Load | None) -> None:
+        """Load the model in a thread of its own (holding the lock): the requests waiting for
+        it each wait within their own deadline, and the load serves those that come next."""
+        self.state, self._failed_load = LOADING, None
 
         def run() -> None:
             try:
-                load(self)
+                if load is not None:
+                    load(self)
             except BaseException as error:  # noqa: BLE001 - handed to the waiting requests
                 self.abort_load(error)  # (the registry logs a build's failure)
             finally:
                 with self._cond:
                     self._loader = None
-                    self._cond.notify_all()
+                    self._changed()
 
         self._loader = threading.Thread(target=run, name=f"semif-load-{self.spec.id}", daemon=True)
         try:
@@ -346,6 +295,177 @@ class ModelScheduler:
         except BaseException:  # no thread ("can't start new thread"): nothing is loading
             self.state, self._loader = UNLOADED, None
             raise
+
+    # -- the dispatcher ---------------------------------------------------------------------------
+
+    def _queued(self, waiter: Waiter) -> None:
+        """Queue `waiter` (holding the lock), the model's dispatcher running to let it in; a
+        dispatcher that cannot start ("can't start new thread") queues nothing."""
+        if self._dispatcher is None or not self._dispatcher.is_alive():  # (none after a fork)
+            dispatcher = threading.Thread(
+                target=self._dispatch, name=f"semif-queue-{self.spec.id}", daemon=True
+            )
+            dispatcher.start()
+            self._dispatcher = dispatcher
+        self._queue.append(waiter)
+        self._changed()
+
+    def _dispatch(self) -> None:
+        """The dispatcher: lets in the head of the queue, each in its turn, while anything is
+        queued, and for DISPATCHER_LINGER_S after (a steady stream of requests keeps one
+        thread; an idle model none)."""
+        with self._cond:
+            try:
+                while self._queue or self._work.wait_for(lambda: self._queue, DISPATCHER_LINGER_S):
+                    head = self._queue[0]
+                    if self._may_enter(head):
+                        self._let_in(head)
+                    elif not self._loads_for(head):
+                        self._work.wait()  # every change of what it waits for notifies
+            finally:
+                self._dispatcher = None
+
+    def _may_enter(self, head: Waiter) -> bool:
+        if self._managed or self.state == WITHDRAWN:
+            return False
+        if not head.is_request:
+            return not self._active and self._loader is None
+        if self._active >= self.spec.slots:
+            return False
+        if head.job is not None:  # a batch is chosen from what queued while the model loaded
+            return self.state == READY
+        return self.state in (UNLOADED, LOADING, READY)
+
+    def _loads_for(self, head: Waiter) -> bool:
+        """A batched request at the head waits for the model's load (holding the lock): start
+        it when the model is unloaded, or, when the load it waited for failed, end the request
+        with the failure (the next one tries a new load). True: it acted."""
+        if head.job is None or self._managed:
+            return False
+        if self.state == LOADING:
+            head.awaits_load = True
+            return False
+        if self.state != UNLOADED or self._active >= self.spec.slots:
+            return False
+        try:
+            if head.awaits_load and self._failed_load is not None:
+                raise told_to_callers(self._failed_load)
+            self._start_load(head.load)
+            head.awaits_load = True
+            return True
+        except BaseException as error:  # noqa: BLE001 - the request's outcome
+            self._queue.popleft()
+            head.granted = True
+            head.job.finish(error)
+            self._changed()
+            return True
+
+    def _let_in(self, head: Waiter) -> None:
+        """Let the head of the queue in (holding the lock): a manager holds the model alone; a
+        request a slot, the model's load started if it is unloaded; a batched one leads."""
+        self._queue.popleft()
+        head.granted = True
+        if not head.is_request:
+            self._managed = True
+            self._changed()
+            return
+        self.pace.waited(head)
+        self._active += 1
+        self._changed()  # the next request may take a spare slot
+        if head.job is not None:
+            self._lead(head, head.job)
+        elif self.state == UNLOADED:
+            try:
+                self._start_load(head.load)
+            except Exception as error:  # noqa: BLE001 - the request is told, and releases
+                head.refused = error
+
+    def _lead(self, head: Waiter, job: Job) -> None:
+        """Holding a slot for the head's job (and the lock), the model loaded: choose the
+        batch, and hand it to a thread of its own that runs it."""
+        engine = self.engine
+        try:
+            batch = self._gather(head, engine.batch_tokens)
+            runner = threading.Thread(
+                target=self._run_batch,
+                args=(head.run, engine, batch),
+                name=f"semif-batch-{self.spec.id}",
+                daemon=True,
+            )
+        except BaseException as error:  # noqa: BLE001 - the job's outcome, raised by its request
+            self._batch_ended([job], error)
+            return
+        try:
+            runner.start()
+        except BaseException as error:  # noqa: BLE001 - no thread: the batch ends unscored
+            self._batch_ended(batch, error)
+
+    def _run_batch(self, run: RunBatch | None, engine: Any, batch: list[Job]) -> None:
+        """A batch's engine call (the runtime's `run`), in a thread of its own; the slot is
+        released, and every job finished, however it ends."""
+        try:
+            if run is not None:
+                run(engine, batch)
+        except BaseException as error:  # noqa: BLE001 - the leader's outcome; logged
+            log.exception("a batch of model %s stopped", self.spec.id)
+            self._batch_ended(batch, error)
+            return
+        self._batch_ended(batch, None)
+
+    def _batch_ended(self, batch: list[Job], error: BaseException | None) -> None:
+        """No request waits for a job left unfinished: the leader's is the stop's `error`, the
+        others' ScoringFailed. `error` None: the call ran to its end (its time is paced)."""
+        if error is not None:
+            batch[0].finish(error)
+        for taken in batch:
+            taken.finish(ScoringFailed(STOPPED))
+        self.release(error is None)
+
+    def _gather(self, head: Waiter, tokens: Callable[[int, int], int]) -> list[Job]:
+        """The leader's batch: its job, then the oldest batched requests queued behind it, within
+        the limits. While the batch is not full and everyone queued could join it, it waits for
+        company until `selection.gather_ends` (its wait, or the earliest deadline it holds).
+        `tokens`: the engine's count of a forward's tokens (its shape buckets included)."""
+        limits, leader = self.batching, head.job
+        assert leader is not None
+        with self._cond:
+            self._gathering = True
+            try:
+                while True:
+                    behind = self._companions()
+                    costs = [leader.cost, *(w.job.cost for w in behind if w.job is not None)]
+                    count = select(costs, limits.max_rows, limits.max_tokens, tokens)
+                    chosen = [head, *behind[: count - 1]]
+                    rows = sum(cost.rows for cost in costs[:count])
+                    full = count < len(costs) or rows >= limits.max_rows
+                    blocked = any(waiter.job is None for waiter in self._queue)
+                    deadlines = [waiter.deadline for waiter in chosen]
+                    ends = gather_ends(leader.submitted, limits.wait_s, deadlines)
+                    remaining = ends - time.monotonic()
+                    if full or blocked or remaining <= 0:
+                        break
+                    self._work.wait(remaining)
+                for waiter in chosen:
+                    if waiter is not head:
+                        self.pace.waited(waiter)
+                    waiter.granted = True
+                self._queue = deque(w for w in self._queue if not w.granted)
+                return [waiter.job for waiter in chosen if waiter.job is not None]
+            finally:
+                self._gathering = False
+                self._changed()  # those taken leave the queue and wait for their outcome
+
+    def _companions(self) -> list[Waiter]:
+        """The batched requests at the head of the queue, up to the first it cannot take (a
+        manager, or a request leasing the model on its own), less those already past their
+        deadline (they are leaving)."""
+        waiters = []
+        for waiter in self._queue:
+            if waiter.job is None:
+                break
+            if not waiter.deadline.passed:
+                waiters.append(waiter)
+        return waiters
 
     # -- management ----------------------------------------------------------------------------
 
@@ -358,36 +478,20 @@ class ModelScheduler:
         """Publish a manager's barrier: from now on, later requests queue behind it."""
         waiter = Waiter(is_request=False)
         with self._cond:
-            self._queue.append(waiter)
-            self._cond.notify_all()  # a leader gathering its batch stops for it
+            self._queued(waiter)  # a batch gathering its company stops for it
         return waiter
 
     def run_managed(
         self, waiter: Waiter, operation: Callable[[ModelScheduler], Any], timeout: float | None
     ) -> Any:
         with self._cond:
-            try:
-                deadline = deadline_after(timeout)
-                wait_until(
-                    self._cond,
-                    lambda: self._manager_may_enter(waiter) or self.state == WITHDRAWN,
-                    deadline,
-                    None,
-                    f"model {self.spec.id!r}",
-                )
-                if self.state == WITHDRAWN:
-                    raise Withdrawn(self.spec.id)
-            except BaseException:
-                self._leave(waiter)
-                raise
-            self._queue.popleft()
-            self._managed = True
+            self._wait_for_turn(waiter, lambda: False, timeout)
         try:
             return operation(self)
         finally:
             with self._cond:
                 self._managed = False
-                self._cond.notify_all()
+                self._changed()
 
     def abandon(self, waiter: Waiter) -> None:
         """Withdraw a published barrier whose manager will never run (its thread did not start)."""
@@ -406,15 +510,7 @@ class ModelScheduler:
         finally:
             with self._cond:
                 self._managed = False
-                self._cond.notify_all()
-
-    def _manager_may_enter(self, waiter: Waiter) -> bool:
-        return (
-            self._queue[0] is waiter
-            and not self._managed
-            and not self._active
-            and self._loader is None
-        )
+                self._changed()
 
     # -- transitions, called by the holder of the model (manager or loader) ---------------------
 
@@ -427,7 +523,7 @@ class ModelScheduler:
             self.engine, self.capacity, self.state = engine, capacity, READY
             self.last_used = now
             self.last_load_error = None
-            self._cond.notify_all()
+            self._changed()
 
     def abort_load(self, error: BaseException | None = None) -> None:
         """A load that published nothing returns to unloaded (a later request retries it), and
@@ -439,7 +535,7 @@ class ModelScheduler:
                 self.state = UNLOADED
             if error is not None:
                 self._failed_load = same_failure(error)
-            self._cond.notify_all()
+            self._changed()
 
     def record_load_error(self, message: str) -> None:
         """Shown in the status until the next successful load (`publish`)."""
@@ -455,7 +551,7 @@ class ModelScheduler:
     def set_state(self, state: str) -> None:
         with self._cond:
             self.state = state
-            self._cond.notify_all()
+            self._changed()
 
     def retire(self) -> Any:
         """Clear the logical residency first and hand back the engine to tear down."""
@@ -465,6 +561,18 @@ class ModelScheduler:
             return engine
 
     def _leave(self, waiter: Waiter) -> None:
+        """`waiter` leaves: out of the queue, or, let in as it was leaving, giving back its slot
+        or its hold of the model (a batch that took its job runs it, for no one)."""
         if waiter in self._queue:
             self._queue.remove(waiter)
-        self._cond.notify_all()  # the waiter behind may now be at the head
+        elif waiter.granted and waiter.job is None:
+            if waiter.is_request:
+                self._active -= 1
+            else:
+                self._managed = False
+        self._changed()  # the waiter behind may now be at the head
+
+    def _changed(self) -> None:
+        """What waiters or the dispatcher wait for may have changed (holding the lock)."""
+        self._cond.notify_all()
+        self._work.notify_all()

@@ -1,0 +1,165 @@
+"""Issue 40: one owner per model. A model's dispatcher (a thread of its own while anything is
+queued) alone lets requests and managers in; callers only queue and wait, each within its
+deadline. A batch runs in a thread of its own, never a caller's, so every batched request,
+its leader's included, is free the moment its caller leaves.
+
+Fake engines; every wait is bounded by WAIT_S (events, never sleeps).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fakes import WAIT_S
+from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
+from test_scheduler import BatchScorer, Request, batching_runtime
+
+from semif_serve.errors import ClientGone, ModelLoadFailed, ScoringFailed
+
+
+def dispatcher_ended(entry) -> None:
+    """Wait until the model's dispatcher has ended (an idle model keeps none)."""
+    wait_until(lambda: entry._dispatcher is None)
+
+
+def failing_start(monkeypatch, prefix: str) -> None:
+    """Threads whose name starts with `prefix` cannot start, as when the process is out of them."""
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if thread.name.startswith(prefix):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+# -- who decides -----------------------------------------------------------------------------------
+
+
+def test_every_batch_runs_in_a_thread_of_its_own_never_a_callers():
+    class Named(BatchScorer):
+        def score_batch(self, items, left=None):
+            threads.append(threading.current_thread().name)
+            return super().score_batch(items, left)
+
+    threads: list[str] = []
+    scorer = Named(block=True)
+    rt, _ = batching_runtime(scorer)
+    first = Request(rt, "first")
+    assert scorer.entered.wait(WAIT_S)
+    queued = [Request(rt, name) for name in "bc"]
+    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    scorer.release.set()
+    assert [r.outcome()["id"] for r in (first, *queued)] == ["first", "b", "c"]
+    callers = {r.call.thread.name for r in (first, *queued)}
+    assert threads == ["semif-batch-a", "semif-batch-a"] and not callers & set(threads)
+
+
+def test_a_leader_whose_caller_leaves_while_its_batch_runs_is_answered_at_once():
+    """The review's case: the batch leader ran its batch in its own request's thread, so a
+    leader whose caller left was held until the batch ended (its followers were not)."""
+    scorer = BatchScorer(block=True)
+    rt, _ = batching_runtime(scorer)
+    left = threading.Event()
+    leader = Request(rt, "leader", gone=left.is_set)
+    assert scorer.entered.wait(WAIT_S)  # its batch is in the engine, and stays there
+    left.set()
+    with pytest.raises(ClientGone):
+        leader.outcome()
+    assert not scorer.release.is_set() and rt.entry("a")._active == 1  # the batch still runs
+    scorer.release.set()
+    wait_until(lambda: rt.entry("a")._active == 0)
+    assert scorer.batches == [["leader"]]
+
+
+def test_a_batched_request_waits_in_the_queue_while_its_model_loads_and_those_behind_join_it():
+    scorer = BatchScorer()
+    rt, factory = batching_runtime(scorer)
+    assert Held(rt, "a").finish().error is None
+    Background(lambda: rt.unload("a")).result()
+    factory.gate = threading.Event()
+    head = Request(rt, "head")
+    wait_until(lambda: rt.entry("a").state == "loading")  # started for it by the dispatcher
+    behind = [Request(rt, name) for name in "bc"]
+    wait_until(lambda: len(rt.entry("a")._queue) == 3)  # nobody taken while it loads
+    assert rt.entry("a")._active == 0
+    factory.gate.set()
+    assert [r.outcome()["id"] for r in (head, *behind)] == ["head", "b", "c"]
+    assert scorer.batches == [["head", "b", "c"]]
+
+
+def test_a_failed_load_is_the_error_of_the_batched_request_it_was_started_for():
+    scorer = BatchScorer()
+    rt, factory = batching_runtime(scorer)
+    Background(lambda: rt.unload("a")).result()
+    factory.gate, factory.fail = threading.Event(), ModelLoadFailed("the weights are broken")
+    head = Request(rt, "head")
+    wait_until(lambda: rt.entry("a").state == "loading")
+    behind = Request(rt, "behind")
+    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    factory.gate.set()
+    with pytest.raises(ModelLoadFailed, match=r"loading model .a. failed \(ModelLoadFailed\)"):
+        head.outcome()
+    assert behind.outcome()["id"] == "behind"  # it tried a new load, which worked
+    assert scorer.batches == [["behind"]]
+
+
+# -- the dispatcher's own life ----------------------------------------------------------------------
+
+
+def test_a_steady_stream_keeps_one_dispatcher_and_an_idle_model_keeps_none():
+    rt = runtime(spec("a", load_on_startup=True), factory=Factory())
+    entry = rt.entry("a")
+    assert Held(rt, "a").finish().error is None
+    dispatcher = entry._dispatcher
+    assert dispatcher is not None and dispatcher.name == "semif-queue-a"
+    assert Held(rt, "a").finish().error is None
+    assert entry._dispatcher is dispatcher  # within DISPATCHER_LINGER_S: the same thread
+    dispatcher_ended(entry)
+    dispatcher.join(WAIT_S)
+    assert not dispatcher.is_alive()
+    assert Held(rt, "a").finish().error is None  # the next request starts another
+    assert entry._dispatcher is not dispatcher
+
+
+def test_a_dispatcher_that_cannot_start_queues_nothing_and_the_caller_is_told(monkeypatch):
+    rt = runtime(spec("a", load_on_startup=True), factory=Factory())
+    entry = rt.entry("a")
+    dispatcher_ended(entry)
+    failing_start(monkeypatch, "semif-queue-")
+    refused = Held(rt, "a").finish()
+    assert "can't start new thread" in str(refused.error)
+    assert not entry._queue and entry._active == 0
+    monkeypatch.undo()
+    assert Held(rt, "a").finish().error is None
+
+
+def test_a_dispatcher_lost_to_a_fork_is_replaced():
+    """A forked worker inherits the parent's scheduler, not its threads: the dispatcher it
+    names is not alive there, and the next caller starts one."""
+    rt = runtime(spec("a", load_on_startup=True), factory=Factory())
+    entry = rt.entry("a")
+    dispatcher_ended(entry)
+    entry._dispatcher = threading.Thread(target=lambda: None)  # never started: as after a fork
+    assert Held(rt, "a").finish().error is None
+
+
+def test_a_batch_whose_thread_cannot_start_ends_every_request_in_it(monkeypatch):
+    scorer = BatchScorer(block=True)
+    rt, _ = batching_runtime(scorer)
+    first = Request(rt, "first")
+    assert scorer.entered.wait(WAIT_S)
+    queued = [Request(rt, name) for name in "bc"]
+    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    failing_start(monkeypatch, "semif-batch-")
+    scorer.release.set()
+    assert first.outcome()["id"] == "first"
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        queued[0].outcome()  # the leader's: the stop's own error
+    with pytest.raises(ScoringFailed, match="the batch stopped before this request"):
+        queued[1].outcome()
+    assert rt.entry("a")._active == 0 and scorer.batches == [["first"]]
+    monkeypatch.undo()
+    assert Request(rt, "d").outcome()["id"] == "d"
