@@ -2,9 +2,10 @@
 `Waiter`: a place in a model's queue, a request's (holding its job) or a manager's.
 
 A request that may be batched (SEMIF_MAX_BATCH_ROWS > 1, its input encoded before it queued)
-hands its scheduler a `Job`. Whichever request leads takes it into a batch (the scheduler
-decides who and which); from then on its request waits for `done` (`awaited`: or until its
-caller leaves), and every way a batch can end finishes every job in it. Before the engine
+hands its scheduler a `Job`. The model's dispatcher takes it into a batch (it decides who and
+which) and runs the batch in a thread of its own; the request only waits for `done`
+(`awaited`: or until its caller leaves), and every way a batch can end finishes every job in
+it. Before the engine
 call each job is looked at once more: a job whose request pinned another configuration than
 the model's is finished unscored (`pinned_to`, 503), one whose caller left is dropped (499),
 one encoded by an engine since replaced is encoded again.

@@ -363,13 +363,14 @@ class ModelScheduler:
     def _let_in(self, head: Waiter) -> None:
         """Let the head of the queue in (holding the lock): a manager holds the model alone; a
         request a slot, the model's load started if it is unloaded; a batched one leads."""
+        if head.is_request:
+            self.pace.waited(head)  # first: a clock that fails lets no one in half-way
         self._queue.popleft()
         head.granted = True
         if not head.is_request:
             self._managed = True
             self._changed()
             return
-        self.pace.waited(head)
         self._active += 1
         self._changed()  # the next request may take a spare slot
         if head.job is not None:
