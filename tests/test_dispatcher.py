@@ -11,12 +11,15 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fakes import WAIT_S
-from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until
+from fakes import WAIT_S, row
+from runtime_fixtures import Background, Factory, Held, runtime, spec, wait_until, watch_waits
 from test_scheduler import BatchScorer, Request, batching_runtime
 
 from semif_serve.errors import ClientGone, ModelLoadFailed, ScoringFailed
 from semif_serve.runtime import scheduler
+from semif_serve.runtime.jobs import Job
+from semif_serve.runtime.selection import Cost
+from semif_serve.scoring import parse_row
 
 
 def dispatcher_ended(entry) -> None:
@@ -173,3 +176,162 @@ def test_a_batch_whose_thread_cannot_start_ends_every_request_in_it(monkeypatch)
     assert scorer.batches == [["first"]]
     monkeypatch.undo()
     assert Request(rt, "d").outcome()["id"] == "d"
+
+
+# -- what the dispatcher holds, and gives back -------------------------------------------------------
+
+
+def test_each_request_of_a_batch_has_its_wait_timed_once():
+    scorer = BatchScorer(block=True)
+    rt, _ = batching_runtime(scorer)
+    first = Request(rt, "first")
+    assert scorer.entered.wait(WAIT_S)
+    queued = [Request(rt, name) for name in "bc"]
+    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    scorer.release.set()
+    assert [r.outcome()["id"] for r in (first, *queued)] == ["first", "b", "c"]
+    assert rt.entry("a").status()["queue"]["waits"] == 3  # the leader's, and each one taken
+
+
+def test_a_batch_that_cannot_be_chosen_is_its_leaders_error_and_gives_back_its_slot():
+    scorer = BatchScorer(block=True)
+    rt, _ = batching_runtime(scorer)
+    engine = rt.entry("a").engine
+    first = Request(rt, "first")
+    assert scorer.entered.wait(WAIT_S)
+    leader, alone = Request(rt, "leader"), Request(rt, "alone")
+    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+
+    def broken(rows, length):  # asked to size a batch of two (one alone needs no count)
+        raise RuntimeError("no token count")
+
+    engine.batch_tokens = broken
+    scorer.release.set()
+    assert first.outcome()["id"] == "first"
+    with pytest.raises(RuntimeError, match="no token count"):
+        leader.outcome()
+    assert alone.outcome()["id"] == "alone"  # the slot was given back; it runs on its own
+    assert scorer.batches == [["first"], ["alone"]]
+
+
+class Interrupted(BaseException):
+    """Stands for any failure, down to an interrupt."""
+
+
+class LetInAsItLeaves:
+    """The caller's wait on the model's condition returns once the dispatcher has let it in, and
+    then fails (an interrupt, say): the caller never holds what it was given."""
+
+    def __init__(self, entry, victim: threading.Event):
+        self.real_wait, self.victim = entry._cond.wait, victim
+        entry._cond.wait = self.wait
+
+    def wait(self, timeout=None):
+        woken = self.real_wait(timeout)
+        if self.victim.is_set() and threading.current_thread().name == "victim":
+            self.victim.clear()
+            raise Interrupted("interrupted as it was let in")
+        return woken
+
+
+def interrupted(call):
+    """`call`, which the test interrupts: its thread ends quietly."""
+
+    def run():
+        with pytest.raises(Interrupted):
+            call()
+
+    return run
+
+
+def test_a_request_let_in_as_its_wait_fails_gives_back_its_slot():
+    rt = runtime(spec("a", slots=1, load_on_startup=True), factory=Factory())
+    entry = rt.entry("a")
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    victim = threading.Event()
+    LetInAsItLeaves(entry, victim)
+    leaving = threading.Thread(target=interrupted(lambda: rt.lease("a").__enter__()), name="victim")
+    call = Background(lambda: (leaving.start(), leaving.join(WAIT_S)))
+    wait_until(lambda: len(entry._queue) == 1)
+    victim.set()
+    holder.finish()  # the victim is let in, and leaves at once
+    call.result()
+    wait_until(lambda: not victim.is_set())
+    assert not entry._queue and entry._active == 0
+    assert Held(rt, "a").finish().error is None  # the slot was given back
+
+
+def test_a_manager_let_in_as_its_wait_fails_gives_back_the_model():
+    rt = runtime(spec("a", load_on_startup=True), factory=Factory())
+    entry = rt.entry("a")
+    holder = Held(rt, "a")
+    assert holder.admitted.wait(WAIT_S)
+    victim = threading.Event()
+    LetInAsItLeaves(entry, victim)
+    leaving = threading.Thread(target=interrupted(lambda: rt.unload("a")), name="victim")
+    call = Background(lambda: (leaving.start(), leaving.join(WAIT_S)))
+    wait_until(lambda: len(entry._queue) == 1)
+    victim.set()
+    holder.finish()
+    call.result()
+    wait_until(lambda: not victim.is_set())
+    assert not entry._managed and entry.state == "ready"  # it never ran; the model is free
+    assert Held(rt, "a").finish().error is None
+
+
+def test_no_request_is_let_in_while_retirement_holds_the_model():
+    rt = runtime(spec("a", load_on_startup=True), factory=Factory())
+    entry = rt.entry("a")
+    dispatcher_ended(entry)  # idle: retirement may take it
+    holding, release = threading.Event(), threading.Event()
+
+    def operation(held):
+        holding.set()
+        assert release.wait(WAIT_S)
+
+    retiring = Background(lambda: entry.try_manage(operation))
+    assert holding.wait(WAIT_S)
+    declined = watch_waits(entry, lambda: len(entry._queue) == 1, "_work")
+    request = Held(rt, "a")
+    assert declined.wait(WAIT_S), "the dispatcher never waited with the request queued"
+    assert not request.admitted.is_set()
+    release.set()
+    assert retiring.result() is True
+    assert request.admitted.wait(WAIT_S)
+    request.finish()
+
+
+class HeldRecorder:
+    """A management state whose record of an unload waits for the test: the manager that
+    unloaded the model still holds it, the model already unloaded."""
+
+    def __init__(self):
+        self.recording, self.release = threading.Event(), threading.Event()
+
+    def registered(self, model_id, table):
+        pass
+
+    def unloaded(self, model_ids):
+        self.recording.set()
+        assert self.release.wait(WAIT_S)
+
+
+def test_a_batched_request_behind_an_unload_loads_the_model_only_once_the_unload_has_ended():
+    scorer = BatchScorer()
+    rt, factory = batching_runtime(scorer)
+    engine = rt.entry("a").engine
+    rt.management = recorder = HeldRecorder()
+    unload = Background(lambda: rt.unload("a"))
+    assert recorder.recording.wait(WAIT_S)
+    entry = rt.entry("a")
+    assert entry.state == "unloaded" and entry._managed
+    declined = watch_waits(entry, lambda: len(entry._queue) == 1, "_work")
+    item = parse_row(row(id="after"))
+    job = Job(item=item, cost=Cost(1, 1), engine=engine, prepare=lambda e: item)
+    after = Background(lambda: rt.score_batched("a", None, job))
+    assert declined.wait(WAIT_S), "the dispatcher never waited with the request queued"
+    assert entry.state == "unloaded"  # no load while the unload holds the model
+    recorder.release.set()
+    assert unload.result() == {"id": "a", "loaded": False}
+    assert after.result().outcome["id"] == "after" and scorer.batches == [["after"]]

@@ -766,8 +766,10 @@ def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
     scorer = BatchScorer()
     scorer.release.clear()  # the lone batch stays in the engine: the queued manager is seen
     rt = batching_runtime(scorer, max_batch_rows=2, batch_wait_ms=60_000)  # past any bound here
+    entry = rt.entry("a")
+    gathering = watch_waits(entry, lambda: entry._active == 1, "_work")
     lone = Submitted(rt, "lone")
-    wait_until(lambda: rt.entry("a")._gathering)  # it leads, waiting for company
+    assert gathering.wait(WAIT_S)  # it leads: the dispatcher waits for company
     assert not scorer.entered.is_set()
     manager = threading.Thread(
         target=rt.register, args=("a", {"source": "test:a", "device": "cpu", "keep_alive_s": 60})
@@ -787,7 +789,7 @@ def test_a_manager_queued_while_a_batch_waits_for_company_is_not_passed():
     assert scorer.batches == [["lone"], ["after", "company"]]
 
 
-def test_a_batch_whose_run_fails_still_ends_every_request_in_it(monkeypatch):
+def test_a_batch_whose_run_fails_still_ends_every_request_in_it(monkeypatch, caplog):
     from semif_serve.runtime import registry
 
     scorer = BatchScorer()
@@ -806,6 +808,9 @@ def test_a_batch_whose_run_fails_still_ends_every_request_in_it(monkeypatch):
     first.result()
     outcomes = [request.result() for request in requests]  # bounded: nobody waits forever
     assert isinstance(outcomes[0], RuntimeError)  # the leader's, b's: its request raises it
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "a batch of model a stopped"
+    ]
     assert isinstance(outcomes[1], ScoringFailed)
     assert str(outcomes[1]) == "the batch stopped before this request"
     assert scorer.batches == [["first"]]
@@ -852,7 +857,7 @@ def test_a_batch_that_is_not_full_keeps_waiting_while_only_batched_requests_queu
     rt = batching_runtime(scorer, max_batch_rows=3, batch_wait_ms=60_000)  # past any bound here
     # The dispatcher waits again once it has seen `first` queued: two of three rows, not full.
     entry = rt.entry("a")
-    waits = watch_waits(entry, lambda: entry._gathering and queued_jobs(rt) == 1, "_work")
+    waits = watch_waits(entry, lambda: entry._active == 1 and queued_jobs(rt) == 1, "_work")
     lone = Submitted(rt, "lone")
     wait_until(lambda: rt.entry("a")._active == 1)
     first = Submitted(rt, "first")

@@ -101,7 +101,6 @@ class ModelScheduler:
         self._queue: deque[Waiter] = deque()
         self._active = 0
         self._managed = False
-        self._gathering = False  # the dispatcher is choosing a batch (waiting for company)
         self._dispatcher: threading.Thread | None = None  # while anything is queued
         self._loader: threading.Thread | None = None  # a request's load, running on its own
         self._failed_load: BaseException | None = None  # why the last failed load failed (a copy)
@@ -320,7 +319,7 @@ class ModelScheduler:
                     head = self._queue[0]
                     if self._may_enter(head):
                         self._let_in(head)
-                    elif not self._loads_for(head):
+                    elif head.job is None or not self._loads_for(head, head.job):
                         self._work.wait()  # every change of what it waits for notifies
             finally:
                 self._dispatcher = None
@@ -336,29 +335,27 @@ class ModelScheduler:
             return self.state == READY
         return self.state in (UNLOADED, LOADING, READY)
 
-    def _loads_for(self, head: Waiter) -> bool:
+    def _loads_for(self, head: Waiter, job: Job) -> bool:
         """A batched request at the head waits for the model's load (holding the lock): start
-        it when the model is unloaded, or, when the load it waited for failed, end the request
-        with the failure (the next one tries a new load). True: it acted."""
-        if head.job is None or self._managed:
+        it when the model is unloaded and no manager holds it, or, when the load it waited for
+        failed, end the request with the failure (the next one tries a new load). True: it
+        acted."""
+        if self._managed:
             return False
         if self.state == LOADING:
             head.awaits_load = True
-            return False
-        if self.state != UNLOADED or self._active >= self.spec.slots:
+        if self.state != UNLOADED:
             return False
         try:
             if head.awaits_load and self._failed_load is not None:
                 raise told_to_callers(self._failed_load)
             self._start_load(head.load)
             head.awaits_load = True
-            return True
         except BaseException as error:  # noqa: BLE001 - the request's outcome
             self._queue.popleft()
-            head.granted = True
-            head.job.finish(error)
+            job.finish(error)
             self._changed()
-            return True
+        return True
 
     def _let_in(self, head: Waiter) -> None:
         """Let the head of the queue in (holding the lock): a manager holds the model alone; a
@@ -386,7 +383,7 @@ class ModelScheduler:
         batch, and hand it to a thread of its own that runs it."""
         engine = self.engine
         try:
-            batch = self._gather(head, engine.batch_tokens)
+            batch = self._gather(job, engine.batch_tokens)
             runner = threading.Thread(
                 target=self._run_batch,
                 args=(head.run, engine, batch),
@@ -422,51 +419,45 @@ class ModelScheduler:
             taken.finish(ScoringFailed(STOPPED))
         self.release(error is None)
 
-    def _gather(self, head: Waiter, tokens: Callable[[int, int], int]) -> list[Job]:
-        """The leader's batch: its job, then the oldest batched requests queued behind it, within
-        the limits. While the batch is not full and everyone queued could join it, it waits for
-        company until `selection.gather_ends` (its wait, or the earliest deadline it holds).
-        `tokens`: the engine's count of a forward's tokens (its shape buckets included)."""
-        limits, leader = self.batching, head.job
-        assert leader is not None
-        with self._cond:
-            self._gathering = True
-            try:
-                while True:
-                    behind = self._companions()
-                    costs = [leader.cost, *(w.job.cost for w in behind if w.job is not None)]
-                    count = select(costs, limits.max_rows, limits.max_tokens, tokens)
-                    chosen = [head, *behind[: count - 1]]
-                    rows = sum(cost.rows for cost in costs[:count])
-                    full = count < len(costs) or rows >= limits.max_rows
-                    blocked = any(waiter.job is None for waiter in self._queue)
-                    deadlines = [waiter.deadline for waiter in chosen]
-                    ends = gather_ends(leader.submitted, limits.wait_s, deadlines)
-                    remaining = ends - time.monotonic()
-                    if full or blocked or remaining <= 0:
-                        break
-                    self._work.wait(remaining)
-                for waiter in chosen:
-                    if waiter is not head:
-                        self.pace.waited(waiter)
-                    waiter.granted = True
-                self._queue = deque(w for w in self._queue if not w.granted)
-                return [waiter.job for waiter in chosen if waiter.job is not None]
-            finally:
-                self._gathering = False
-                self._changed()  # those taken leave the queue and wait for their outcome
+    def _gather(self, leader: Job, tokens: Callable[[int, int], int]) -> list[Job]:
+        """The leader's batch (holding the lock and the leader's slot): its job, then the oldest
+        batched requests queued behind it, within the limits. While the batch is not full and
+        everyone queued could join it, it waits for company until `selection.gather_ends` (its
+        wait, or the earliest deadline it holds). `tokens`: the engine's count of a forward's
+        tokens (its shape buckets included)."""
+        limits = self.batching
+        while True:
+            behind = self._companions()
+            costs = [leader.cost, *(job.cost for _, job in behind)]
+            count = select(costs, limits.max_rows, limits.max_tokens, tokens)
+            taken = behind[: count - 1]
+            rows = sum(cost.rows for cost in costs[:count])
+            full = count < len(costs) or rows >= limits.max_rows
+            blocked = any(waiter.job is None for waiter in self._queue)
+            deadlines = [leader.deadline, *(waiter.deadline for waiter, _ in taken)]
+            ends = gather_ends(leader.submitted, limits.wait_s, deadlines)
+            remaining = ends - time.monotonic()
+            if full or blocked or remaining <= 0:
+                break
+            self._work.wait(remaining)
+        for waiter, _ in taken:
+            self.pace.waited(waiter)
+            waiter.granted = True
+        self._queue = deque(waiter for waiter in self._queue if not waiter.granted)
+        self._changed()  # those taken left the queue: they wait for their outcome
+        return [leader, *(job for _, job in taken)]
 
-    def _companions(self) -> list[Waiter]:
+    def _companions(self) -> list[tuple[Waiter, Job]]:
         """The batched requests at the head of the queue, up to the first it cannot take (a
         manager, or a request leasing the model on its own), less those already past their
         deadline (they are leaving)."""
-        waiters = []
+        companions = []
         for waiter in self._queue:
             if waiter.job is None:
                 break
             if not waiter.deadline.passed:
-                waiters.append(waiter)
-        return waiters
+                companions.append((waiter, waiter.job))
+        return companions
 
     # -- management ----------------------------------------------------------------------------
 
