@@ -219,29 +219,33 @@ class Interrupted(BaseException):
 
 
 class LetInAsItLeaves:
-    """The caller's wait on the model's condition returns once the dispatcher has let it in, and
-    then fails (an interrupt, say): the caller never holds what it was given."""
+    """The victim's wait on the model's condition fails (an interrupt, say) once it returns
+    with `let_in()` true: the dispatcher has let the victim in, and it never holds what it was
+    given. Other wakes of the victim's wait return as usual."""
 
-    def __init__(self, entry, victim: threading.Event):
-        self.real_wait, self.victim = entry._cond.wait, victim
+    def __init__(self, entry, let_in):
+        self.real_wait, self.let_in, self.raised = entry._cond.wait, let_in, threading.Event()
         entry._cond.wait = self.wait
 
     def wait(self, timeout=None):
         woken = self.real_wait(timeout)
-        if self.victim.is_set() and threading.current_thread().name == "victim":
-            self.victim.clear()
+        victim = threading.current_thread().name == "victim"
+        if victim and not self.raised.is_set() and self.let_in():
+            self.raised.set()
             raise Interrupted("interrupted as it was let in")
         return woken
 
 
 def interrupted(call):
-    """`call`, which the test interrupts: its thread ends quietly."""
+    """`call`, which the test interrupts, in the victim's thread: it ends quietly."""
 
     def run():
         with pytest.raises(Interrupted):
             call()
 
-    return run
+    victim = threading.Thread(target=run, name="victim")
+    victim.start()
+    return victim
 
 
 def test_a_request_let_in_as_its_wait_fails_gives_back_its_slot():
@@ -249,15 +253,12 @@ def test_a_request_let_in_as_its_wait_fails_gives_back_its_slot():
     entry = rt.entry("a")
     holder = Held(rt, "a")
     assert holder.admitted.wait(WAIT_S)
-    victim = threading.Event()
-    LetInAsItLeaves(entry, victim)
-    leaving = threading.Thread(target=interrupted(lambda: rt.lease("a").__enter__()), name="victim")
-    call = Background(lambda: (leaving.start(), leaving.join(WAIT_S)))
+    hook = LetInAsItLeaves(entry, lambda: not entry._queue and entry._active == 1)
+    victim = interrupted(lambda: rt.lease("a").__enter__())
     wait_until(lambda: len(entry._queue) == 1)
-    victim.set()
-    holder.finish()  # the victim is let in, and leaves at once
-    call.result()
-    wait_until(lambda: not victim.is_set())
+    holder.finish()  # the victim is let in (the holder's slot is its), and leaves at once
+    victim.join(WAIT_S)
+    assert hook.raised.is_set() and not victim.is_alive()
     assert not entry._queue and entry._active == 0
     assert Held(rt, "a").finish().error is None  # the slot was given back
 
@@ -267,17 +268,36 @@ def test_a_manager_let_in_as_its_wait_fails_gives_back_the_model():
     entry = rt.entry("a")
     holder = Held(rt, "a")
     assert holder.admitted.wait(WAIT_S)
-    victim = threading.Event()
-    LetInAsItLeaves(entry, victim)
-    leaving = threading.Thread(target=interrupted(lambda: rt.unload("a")), name="victim")
-    call = Background(lambda: (leaving.start(), leaving.join(WAIT_S)))
+    hook = LetInAsItLeaves(entry, lambda: entry._managed)
+    victim = interrupted(lambda: rt.unload("a"))
     wait_until(lambda: len(entry._queue) == 1)
-    victim.set()
     holder.finish()
-    call.result()
-    wait_until(lambda: not victim.is_set())
+    victim.join(WAIT_S)
+    assert hook.raised.is_set() and not victim.is_alive()
     assert not entry._managed and entry.state == "ready"  # it never ran; the model is free
     assert Held(rt, "a").finish().error is None
+
+
+def test_a_batched_request_taken_as_its_wait_fails_leaves_its_batch_the_one_slot():
+    scorer = BatchScorer(block=True)
+    rt, _ = batching_runtime(scorer)
+    entry = rt.entry("a")
+    first = Request(rt, "first")
+    assert scorer.entered.wait(WAIT_S)
+    leader = Request(rt, "leader")
+    wait_until(lambda: len(entry._queue) == 1)
+    item = parse_row(row(id="victim"))
+    job = Job(item=item, cost=Cost(1, 1), engine=entry.engine, prepare=lambda e: item)
+    hook = LetInAsItLeaves(entry, lambda: not entry._queue and entry._active == 1)
+    victim = interrupted(lambda: rt.score_batched("a", None, job))
+    wait_until(lambda: len(entry._queue) == 2)
+    scorer.release.set()  # the next batch takes the leader and the victim, which leaves
+    assert first.outcome()["id"] == "first" and leader.outcome()["id"] == "leader"
+    victim.join(WAIT_S)
+    assert hook.raised.is_set() and not victim.is_alive()
+    wait_until(lambda: entry._active == 0)  # the batch gave back its one slot, and no more
+    assert entry._active == 0 and scorer.batches == [["first"], ["leader", "victim"]]
+    assert Request(rt, "next").outcome()["id"] == "next"
 
 
 def test_no_request_is_let_in_while_retirement_holds_the_model():

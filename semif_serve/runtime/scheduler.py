@@ -191,7 +191,7 @@ class ModelScheduler:
         try:
             if waiter.refused is not None:
                 raise waiter.refused
-            return self._loaded_engine(deadline, gone, self._cond)
+            return self._loaded_engine(deadline, gone)
         except BaseException:
             self.release()
             raise
@@ -228,7 +228,7 @@ class ModelScheduler:
         self, waiter: Waiter, ended: Callable[[], bool], timeout: float | None = None
     ) -> None:
         """Wait (holding the lock) until the dispatcher lets `waiter` in, or `ended` (its job was
-        finished before it was taken: its batch's own wait for the model ended). Any other way
+        finished before it was taken: the model's load it waited for failed). Any other way
         out leaves the queue, handing back whatever a grant at that instant gave it. `timeout`:
         a manager's (a request's deadline is its own)."""
         what = f"model {self.spec.id!r}"
@@ -236,13 +236,13 @@ class ModelScheduler:
         def let_in() -> bool:
             return waiter.granted or ended() or self.state == WITHDRAWN
 
-        def its_turn() -> bool:  # the dispatcher is letting it in
+        def its_turn() -> bool:  # the dispatcher is letting it in (nothing else can change that)
             return bool(self._queue) and self._queue[0] is waiter and self._may_enter(waiter)
 
         try:
             deadline = waiter.deadline if timeout is None else deadline_after(timeout)
             if its_turn():  # it waits for no one: its deadline and its caller count once it is in
-                self._cond.wait_for(lambda: let_in() or not its_turn(), TURN_GRACE_S)
+                self._cond.wait_for(let_in, TURN_GRACE_S)
             wait_until(self._cond, let_in, deadline, waiter.gone, what)
             if not waiter.granted and not ended():
                 raise Withdrawn(self.spec.id)
@@ -250,17 +250,14 @@ class ModelScheduler:
             self._leave(waiter)
             raise
 
-    def _loaded_engine(
-        self, deadline: Deadline, gone: Gone | None, condition: threading.Condition
-    ) -> Any:
+    def _loaded_engine(self, deadline: Deadline, gone: Gone | None) -> Any:
         """An admitted request's engine: the loaded one, or, once the load the dispatcher started
-        ends, within its deadline and while its caller stays (waiting on `condition`: the
-        requests', or the dispatcher's for a batch). A failed load's error is every waiting
-        request's."""
+        ends, within its deadline and while its caller stays. A failed load's error is every
+        waiting request's."""
         with self._cond:
             if self.state == LOADING:
                 wait_until(
-                    condition,
+                    self._cond,
                     lambda: self.state != LOADING,
                     deadline,
                     gone,
@@ -349,8 +346,7 @@ class ModelScheduler:
         try:
             if head.awaits_load and self._failed_load is not None:
                 raise told_to_callers(self._failed_load)
-            self._start_load(head.load)
-            head.awaits_load = True
+            self._start_load(head.load)  # (seen loading at its next look: it awaits the load)
         except BaseException as error:  # noqa: BLE001 - the request's outcome
             self._queue.popleft()
             job.finish(error)
