@@ -39,6 +39,16 @@ def failing_start(monkeypatch, prefix: str) -> None:
     monkeypatch.setattr(threading.Thread, "start", start)
 
 
+def queued_behind_a_batch(rt, scorer, names):
+    """A first request whose batch is held in the engine (until `scorer.release`), and one
+    request per name queued behind it, in order; returns (first, queued)."""
+    first = Request(rt, "first")
+    assert scorer.entered.wait(WAIT_S)
+    queued = [Request(rt, name) for name in names]
+    wait_until(lambda: len(rt.entry("a")._queue) == len(names))
+    return first, queued
+
+
 # -- who decides -----------------------------------------------------------------------------------
 
 
@@ -51,14 +61,12 @@ def test_every_batch_runs_in_a_thread_of_its_own_never_a_callers():
     threads: list[str] = []
     scorer = Named(block=True)
     rt, _ = batching_runtime(scorer)
-    first = Request(rt, "first")
-    assert scorer.entered.wait(WAIT_S)
-    queued = [Request(rt, name) for name in "bc"]
-    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    first, queued = queued_behind_a_batch(rt, scorer, "bc")
     scorer.release.set()
     assert [r.outcome()["id"] for r in (first, *queued)] == ["first", "b", "c"]
     callers = {r.call.thread.name for r in (first, *queued)}
     assert threads == ["semif-batch-a", "semif-batch-a"] and not callers & set(threads)
+    assert rt.entry("a").status()["queue"]["waits"] == 3  # each request's wait, timed once
 
 
 def test_a_leader_whose_caller_leaves_while_its_batch_runs_is_answered_at_once():
@@ -161,10 +169,7 @@ def test_a_dispatcher_lost_to_a_fork_is_replaced():
 def test_a_batch_whose_thread_cannot_start_ends_every_request_in_it(monkeypatch):
     scorer = BatchScorer(block=True)
     rt, _ = batching_runtime(scorer)
-    first = Request(rt, "first")
-    assert scorer.entered.wait(WAIT_S)
-    queued = [Request(rt, name) for name in "bc"]
-    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    first, queued = queued_behind_a_batch(rt, scorer, "bc")
     failing_start(monkeypatch, "semif-batch-")
     scorer.release.set()
     assert first.outcome()["id"] == "first"
@@ -181,26 +186,11 @@ def test_a_batch_whose_thread_cannot_start_ends_every_request_in_it(monkeypatch)
 # -- what the dispatcher holds, and gives back -------------------------------------------------------
 
 
-def test_each_request_of_a_batch_has_its_wait_timed_once():
-    scorer = BatchScorer(block=True)
-    rt, _ = batching_runtime(scorer)
-    first = Request(rt, "first")
-    assert scorer.entered.wait(WAIT_S)
-    queued = [Request(rt, name) for name in "bc"]
-    wait_until(lambda: len(rt.entry("a")._queue) == 2)
-    scorer.release.set()
-    assert [r.outcome()["id"] for r in (first, *queued)] == ["first", "b", "c"]
-    assert rt.entry("a").status()["queue"]["waits"] == 3  # the leader's, and each one taken
-
-
 def test_a_batch_that_cannot_be_chosen_is_its_leaders_error_and_gives_back_its_slot():
     scorer = BatchScorer(block=True)
     rt, _ = batching_runtime(scorer)
     engine = rt.entry("a").engine
-    first = Request(rt, "first")
-    assert scorer.entered.wait(WAIT_S)
-    leader, alone = Request(rt, "leader"), Request(rt, "alone")
-    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    first, (leader, alone) = queued_behind_a_batch(rt, scorer, ["leader", "alone"])
 
     def broken(rows, length):  # asked to size a batch of two (one alone needs no count)
         raise RuntimeError("no token count")
@@ -282,10 +272,7 @@ def test_a_batched_request_taken_as_its_wait_fails_leaves_its_batch_the_one_slot
     scorer = BatchScorer(block=True)
     rt, _ = batching_runtime(scorer)
     entry = rt.entry("a")
-    first = Request(rt, "first")
-    assert scorer.entered.wait(WAIT_S)
-    leader = Request(rt, "leader")
-    wait_until(lambda: len(entry._queue) == 1)
+    first, (leader,) = queued_behind_a_batch(rt, scorer, ["leader"])
     item = parse_row(row(id="victim"))
     job = Job(item=item, cost=Cost(1, 1), engine=entry.engine, prepare=lambda e: item)
     hook = LetInAsItLeaves(entry, lambda: not entry._queue and entry._active == 1)
