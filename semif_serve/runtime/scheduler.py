@@ -12,9 +12,11 @@ step, always for the head of the queue, so nobody is ever overtaken:
   then waits for it within its own deadline (the load goes on for the next ones); when it fails
   they all get its error (a later request tries a new load). A plain request then leases the
   model (`lease`) and runs its own engine call.
-- a batched request (`serve`, its input encoded as a `Job`) leads a batch: the dispatcher waits
-  for the model's load within the leader's deadline, then for company while the batch is not
-  full (until the leader's wait of SEMIF_BATCH_WAIT_MS ends, or just before the earliest
+- a batched request (`serve`, its input encoded as a `Job`) at the head of an unloaded model
+  has its load started by the dispatcher and waits in the queue (those queued meanwhile join
+  its batch; a failed load is its error). Once the model is loaded it leads a batch: the
+  dispatcher waits for company while the batch is not full (until the leader's wait of
+  SEMIF_BATCH_WAIT_MS ends, or just before the earliest
   deadline of the jobs it would take, or until anyone it cannot take queues), takes the oldest
   batched requests queued behind it (`selection.select`, stopping at the first it cannot take)
   and hands the batch to a thread of its own, which runs it as one engine call and finishes
