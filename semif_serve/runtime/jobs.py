@@ -5,10 +5,9 @@ A request that may be batched (SEMIF_MAX_BATCH_ROWS > 1, its input encoded befor
 hands its scheduler a `Job`. The model's dispatcher takes it into a batch (it decides who and
 which) and runs the batch in a thread of its own; the request only waits for `done`
 (`awaited`: or until its caller leaves), and every way a batch can end finishes every job in
-it. Before the engine
-call each job is looked at once more: a job whose request pinned another configuration than
-the model's is finished unscored (`pinned_to`, 503), one whose caller left is dropped (499),
-one encoded by an engine since replaced is encoded again.
+it. Before the engine call each job is looked at once more: a job whose request pinned
+another configuration than the model's is finished unscored (`pinned_to`, 503), one whose
+caller left is dropped (499), one encoded by an engine since replaced is encoded again.
 When models share one device, the batch waits for its turn there within its jobs' deadlines,
 dropping those that expire (503) or whose caller leaves (499) while it waits.
 """
