@@ -132,16 +132,28 @@ def test_a_steady_stream_keeps_one_dispatcher(monkeypatch):
     assert entry._dispatcher is dispatcher  # within DISPATCHER_LINGER_S: the same thread
 
 
+def letting_in(entry) -> list[threading.Thread]:
+    """The threads that let each caller of `entry` in, in order (its dispatchers)."""
+    threads, real = [], entry._let_in
+
+    def let_in(head):
+        threads.append(threading.current_thread())
+        real(head)
+
+    entry._let_in = let_in
+    return threads
+
+
 def test_an_idle_models_dispatcher_ends_and_the_next_request_starts_another():
     rt = runtime(spec("a", load_on_startup=True), factory=Factory())
     entry = rt.entry("a")
-    dispatcher = entry._dispatcher
-    assert dispatcher is not None  # the startup load's manager was let in by it
-    dispatcher_ended(entry)  # DISPATCHER_LINGER_S after the queue emptied
-    dispatcher.join(WAIT_S)
-    assert not dispatcher.is_alive()
+    dispatchers = letting_in(entry)
     assert Held(rt, "a").finish().error is None
-    assert entry._dispatcher is not dispatcher  # (a new one let it in, or none: it ended too)
+    dispatcher_ended(entry)  # DISPATCHER_LINGER_S after the queue emptied
+    dispatchers[0].join(WAIT_S)
+    assert not dispatchers[0].is_alive() and dispatchers[0].name == "semif-queue-a"
+    assert Held(rt, "a").finish().error is None
+    assert dispatchers[1] is not dispatchers[0]
 
 
 def test_a_dispatcher_that_cannot_start_queues_nothing_and_the_caller_is_told(monkeypatch):
