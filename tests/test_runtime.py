@@ -453,7 +453,7 @@ def test_an_unload_arriving_during_a_first_load_waits_for_it_then_unloads():
 def test_a_warm_model_serves_while_another_model_loads():
     factory = Factory()
     rt = runtime(spec("a", load_on_startup=True), spec("b"), factory=factory)
-    factory.load_gate = threading.Event()
+    factory.load_gate, factory.load_started = threading.Event(), threading.Event()  # a's was set
     cold = Held(rt, "b")
     assert factory.load_started.wait(WAIT_S)
     Held(rt, "a").finish()  # does not wait for b's load
