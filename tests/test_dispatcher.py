@@ -44,9 +44,15 @@ def queued_behind_a_batch(rt, scorer, names):
     request per name queued behind it, in order; returns (first, queued)."""
     first = Request(rt, "first")
     assert scorer.entered.wait(WAIT_S)
-    queued = [Request(rt, name) for name in names]
-    wait_until(lambda: len(rt.entry("a")._queue) == len(names))
-    return first, queued
+    return first, [queued(rt, name) for name in names]
+
+
+def queued(rt, name):
+    """A batched request, once it has queued (each after the one before: in this order)."""
+    ahead = len(rt.entry("a")._queue)
+    request = Request(rt, name)
+    wait_until(lambda: len(rt.entry("a")._queue) == ahead + 1)
+    return request
 
 
 # -- who decides -----------------------------------------------------------------------------------
@@ -94,8 +100,7 @@ def test_a_batched_request_waits_in_the_queue_while_its_model_loads_and_those_be
     factory.gate = threading.Event()
     head = Request(rt, "head")
     wait_until(lambda: rt.entry("a").state == "loading")  # started for it by the dispatcher
-    behind = [Request(rt, name) for name in "bc"]
-    wait_until(lambda: len(rt.entry("a")._queue) == 3)  # nobody taken while it loads
+    behind = [queued(rt, name) for name in "bc"]  # nobody taken while it loads
     assert rt.entry("a")._active == 0
     factory.gate.set()
     assert [r.outcome()["id"] for r in (head, *behind)] == ["head", "b", "c"]
@@ -109,8 +114,7 @@ def test_a_failed_load_is_the_error_of_the_batched_request_it_was_started_for():
     factory.gate, factory.fail = threading.Event(), ModelLoadFailed("the weights are broken")
     head = Request(rt, "head")
     wait_until(lambda: rt.entry("a").state == "loading")
-    behind = Request(rt, "behind")
-    wait_until(lambda: len(rt.entry("a")._queue) == 2)
+    behind = queued(rt, "behind")
     factory.gate.set()
     with pytest.raises(ModelLoadFailed, match=r"loading model .a. failed \(ModelLoadFailed\)"):
         head.outcome()
@@ -287,7 +291,7 @@ def test_a_batched_request_taken_as_its_wait_fails_leaves_its_batch_the_one_slot
     first, (leader,) = queued_behind_a_batch(rt, scorer, ["leader"])
     item = parse_row(row(id="victim"))
     job = Job(item=item, cost=Cost(1, 1), engine=entry.engine, prepare=lambda e: item)
-    hook = LetInAsItLeaves(entry, lambda: not entry._queue and entry._active == 1)
+    hook = LetInAsItLeaves(entry, lambda: all(waiter.job is not job for waiter in entry._queue))
     victim = interrupted(lambda: rt.score_batched("a", None, job))
     wait_until(lambda: len(entry._queue) == 2)
     scorer.release.set()  # the next batch takes the leader and the victim, which leaves
