@@ -77,6 +77,15 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
+def pytest_runtest_logreport(report):
+    """In mutmut's runs of the unmutated code (its stats and clean runs, in mutants/), a test
+    that fails is written to mutants/clean-run-failures.txt: mutmut keeps their output to
+    itself ("Failed to run clean test"), and mutation/run prints the file."""
+    if report.failed and Path.cwd().name == "mutants" and not under_mutant():
+        with open("clean-run-failures.txt", "a") as failures:
+            failures.write(f"{report.nodeid}\n{report.longreprtext}\n\n")
+
+
 # The real Qwen3.5 tokenizer, built once in mutmut's fork server (below): every mutant's run is
 # forked from it and inherits it instead of building it again.
 PREBUILT: dict[str, object] = {}
