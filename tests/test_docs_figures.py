@@ -191,6 +191,8 @@ def test_testing_md_mutation_settings_are_the_codes() -> None:
     assert f'os.environ.get("SEMIF_TEST_WAIT_S", "{usual}")' in read("tests/fakes.py")
     assert "runs two children per core" in read("docs/testing.md")
     assert "children = 2 * (os.cpu_count() or 1)" in read("mutation/run")
+    assert "alone with one child per core" in read("docs/testing.md")
+    assert "children = os.cpu_count() or 1" in read("mutation/run")
 
 
 def test_every_grid_is_in_testing_md() -> None:
